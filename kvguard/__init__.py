@@ -1,0 +1,1 @@
+"""kvguard: KV-cache integrity guard for paged LLM serving."""
