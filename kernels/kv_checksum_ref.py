@@ -1,0 +1,197 @@
+"""Reference (pure torch) KV token checksum; also the CPU engine path.
+
+Definition (the Triton kernel in ``kv_checksum.py`` reproduces it bit for bit):
+
+    buffers b = [layer0 K, layer0 V, layer1 K, layer1 V, ...], each [num_slots, ...]
+    word_b,j(s) = j-th little-endian uint32 word of slot s's row in buffer b
+    C[b, j]     = splitmix64(SEED + b * 2**32 + j) | 1            (odd)
+    inner(s)    = sum_b sum_j zext64(word_b,j(s)) * C[b, j]        (mod 2**64)
+    poskey(p)   = splitmix64(POS_SEED + p)
+    digest(s,p) = fmix64(inner(s) XOR poskey(p))
+    block digest = wrapping (mod 2**64) sum of its token digests
+
+All values are 64-bit; they are stored as torch.int64 (same bits, read signed).
+
+Properties:
+* Every single-bit flip in a slot's bytes changes the digest. Flipping bit k of
+  word (b, j) changes that word by d = +-2**k with 0 <= k < 32, so inner changes
+  by d * C[b, j] mod 2**64. C is odd, hence invertible mod 2**64, and
+  0 < |d| < 2**64, so d * C != 0 mod 2**64. XOR with a fixed poskey and fmix64
+  are bijections on 64-bit values, so the digest changes. (More generally any
+  change confined to a single word is always detected.)
+* Moving a row to another slot/position changes its poskey; reorderings and
+  multi-word corruptions are missed only with probability ~2**-64 (inner is a
+  random-coefficient linear form; fmix64 spreads it before the block sum).
+
+Implementation notes: torch int64 ``+``/``*``/``sum``/``index_add_`` wrap
+mod 2**64 (checked by the tests); torch ``>>`` on int64 is arithmetic, so the
+logical shift masks off the sign-extended high bits.
+"""
+
+from __future__ import annotations
+
+import torch
+
+MASK64 = (1 << 64) - 1
+
+# Fixed seeds ("kvguardC" / "kvguardP" in ASCII). Changing them changes every
+# digest, so they are part of the on-wire/on-disk format.
+SEED = 0x6B76677561726443
+POS_SEED = 0x6B76677561726450
+
+# splitmix64 / fmix64 constants (unsigned).
+SM_GAMMA = 0x9E3779B97F4A7C15
+SM_M1 = 0xBF58476D1CE4E5B9
+SM_M2 = 0x94D049BB133111EB
+FMIX_M1 = 0xFF51AFD7ED558CCD
+FMIX_M2 = 0xC4CEB9FE1A85EC53
+
+# Target number of int64 elements per temporary when chunking over slots
+# (4 MiB: large enough to amortise per-op overhead, small enough to stay in
+# L2/L3 across the gather/convert/multiply/sum passes on CPU).
+_CHUNK_ELEMS = 1 << 19
+
+
+def to_signed64(x: int) -> int:
+    """Unsigned 64-bit Python int -> the signed int64 with the same bits."""
+    x &= MASK64
+    return x - (1 << 64) if x >= (1 << 63) else x
+
+
+def to_unsigned64(x: int) -> int:
+    return x & MASK64
+
+
+def _lsr(x: torch.Tensor, s: int) -> torch.Tensor:
+    """Logical right shift of int64 bits (torch's >> is arithmetic)."""
+    return (x >> s) & ((1 << (64 - s)) - 1)
+
+
+def splitmix64(x: torch.Tensor) -> torch.Tensor:
+    """splitmix64 output function applied to state x (int64 bits in/out)."""
+    z = x.to(torch.int64) + to_signed64(SM_GAMMA)
+    z = (z ^ _lsr(z, 30)) * to_signed64(SM_M1)
+    z = (z ^ _lsr(z, 27)) * to_signed64(SM_M2)
+    return z ^ _lsr(z, 31)
+
+
+def fmix64(x: torch.Tensor) -> torch.Tensor:
+    """MurmurHash3 64-bit finalizer (bijective), int64 bits in/out."""
+    x = x ^ _lsr(x, 33)
+    x = x * to_signed64(FMIX_M1)
+    x = x ^ _lsr(x, 33)
+    x = x * to_signed64(FMIX_M2)
+    return x ^ _lsr(x, 33)
+
+
+def poskey(positions: torch.Tensor) -> torch.Tensor:
+    return splitmix64(positions.to(torch.int64) + to_signed64(POS_SEED))
+
+
+_CONST_CACHE: dict[tuple[int, int, str], torch.Tensor] = {}
+
+
+def word_constants(num_buffers: int, words_per_row: int, device=None) -> torch.Tensor:
+    """int64 [num_buffers, words_per_row]; C[b, j] = splitmix64(SEED + b*2**32 + j) | 1.
+
+    C[b, j] depends only on (b, j), so a table built for a larger
+    ``words_per_row`` agrees with a smaller one on the common prefix.
+    """
+    device = torch.device(device if device is not None else "cpu")
+    key = (int(num_buffers), int(words_per_row), str(device))
+    c = _CONST_CACHE.get(key)
+    if c is None:
+        b = torch.arange(num_buffers, dtype=torch.int64).unsqueeze(1)
+        j = torch.arange(words_per_row, dtype=torch.int64).unsqueeze(0)
+        # b * 2**32 wraps harmlessly for b >= 2**31 (never in practice).
+        c = (splitmix64(to_signed64(SEED) + (b << 32) + j) | 1).to(device)
+        _CONST_CACHE[key] = c
+    return c
+
+
+def row_words(buf: torch.Tensor) -> torch.Tensor:
+    """View buffer [num_slots, ...] as int32 words [num_slots, words_per_row] (no copy).
+
+    Requires each slot's row to be contiguous and its byte size and the slot
+    stride (in bytes) to be multiples of 4.
+    """
+    if buf.dim() == 0:
+        raise ValueError("KV buffer must have a slot dimension")
+    b = buf.unsqueeze(1) if buf.dim() == 1 else buf
+    expected = 1
+    for d in range(b.dim() - 1, 0, -1):
+        if b.shape[d] != 1 and b.stride(d) != expected:
+            raise ValueError("each slot's KV row must be contiguous")
+        expected *= b.shape[d]
+    b = b.flatten(1)  # a view, since the row is contiguous
+    b = b.as_strided(b.shape, (b.stride(0), 1))  # normalise size-1 strides
+    row_bytes = b.shape[1] * b.element_size()
+    if row_bytes % 4 != 0:
+        raise ValueError(f"KV row size {row_bytes} bytes is not a multiple of 4")
+    if b.shape[0] > 1 and (b.stride(0) * b.element_size()) % 4 != 0:
+        raise ValueError("KV slot stride in bytes is not a multiple of 4")
+    if b.shape[0] <= 1:
+        b = b.as_strided(b.shape, (b.shape[1], 1))
+    if buf.data_ptr() % 4 != 0:
+        raise ValueError("KV buffer base is not 4-byte aligned")
+    return b.view(torch.int32)
+
+
+def inner_sums_ref(buffers: list[torch.Tensor], slots: torch.Tensor) -> torch.Tensor:
+    """inner(s) for each slot in ``slots``: int64 [N] (wrapping)."""
+    device = buffers[0].device if buffers else slots.device
+    slots = slots.to(device=device, dtype=torch.int64)
+    n = slots.numel()
+    views = [row_words(b) for b in buffers]
+    wmax = max((v.shape[1] for v in views), default=0)
+    consts = word_constants(len(views), wmax, device)
+    inner = torch.zeros(n, dtype=torch.int64, device=device)
+    if n == 0 or wmax == 0:
+        return inner
+    # Chunk over slots so temporaries stay ~_CHUNK_ELEMS elements; the work
+    # buffers are allocated once per call and reused (fresh large CPU
+    # allocations page-fault on every chunk).
+    step = max(1, min(n, _CHUNK_ELEMS // wmax))
+    g32 = torch.empty(step * wmax, dtype=torch.int32, device=device)
+    x64 = torch.empty(step * wmax, dtype=torch.int64, device=device)
+    wmin = min(v.shape[1] for v in views if v.shape[1] > 0)
+    part = torch.empty(min(n, (step * wmax) // wmin), dtype=torch.int64, device=device)
+    for bi, v in enumerate(views):
+        w = v.shape[1]
+        if w == 0:
+            continue
+        c = consts[bi, :w]
+        step_b = max(1, min(n, (step * wmax) // w))
+        for lo in range(0, n, step_b):
+            hi = min(n, lo + step_b)
+            m = hi - lo
+            g = g32[: m * w].view(m, w)
+            torch.index_select(v, 0, slots[lo:hi], out=g)  # gather rows
+            x = x64[: m * w].view(m, w)
+            x.copy_(g)  # sign-extends int32 -> int64 ...
+            x.bitwise_and_(0xFFFFFFFF)  # ... so mask: zext64 of the uint32 word
+            x.mul_(c)  # wrapping 64-bit multiply by the odd constants
+            p = part[:m]
+            torch.sum(x, 1, out=p)  # wrapping sum over words
+            inner[lo:hi] += p
+    return inner
+
+
+def token_digests_ref(
+    buffers: list[torch.Tensor], slots: torch.Tensor, positions: torch.Tensor
+) -> torch.Tensor:
+    """Token digests, int64 [N]. ``buffers`` = [k0, v0, k1, v1, ...]."""
+    if slots.dim() != 1 or positions.dim() != 1 or slots.numel() != positions.numel():
+        raise ValueError("slots and positions must be 1-D of equal length")
+    if len(buffers) == 0:
+        raise ValueError("need at least one KV buffer")
+    inner = inner_sums_ref(buffers, slots)
+    return fmix64(inner ^ poskey(positions.to(inner.device)))
+
+
+def block_digests(
+    token_digests: torch.Tensor, block_ids: torch.Tensor, num_blocks: int
+) -> torch.Tensor:
+    """Wrapping (mod 2**64) sum of token digests per block: int64 [num_blocks]."""
+    out = torch.zeros(num_blocks, dtype=torch.int64, device=token_digests.device)
+    return out.index_add_(0, block_ids.to(torch.int64), token_digests.to(torch.int64))
