@@ -1,0 +1,238 @@
+"""The checker: turns one step's reads and writes into per-request verdicts, on the device.
+
+Data flow: engine event -> ledger -> checker -> verdict -> action. ``before_forward`` checks every
+write target and every page read, claims fresh pages, adopts prefix-cache pages whose token chain
+matches the reader, and leaves a ``StepVerdict`` of device tensors; the engine reads it at the sync
+point that already follows the forward. ``after_forward`` seals the tokens the forward wrote.
+No Python loop over pages or tokens, no host read of a device value on this path.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvguard.config import GuardConfig, Mode
+from kvguard.kernels.kv_checksum import token_digests
+from kvguard.kernels.kv_checksum_ref import splitmix64, to_signed64
+from kvguard.ledger import Event, PageLedger, PageState
+from kvguard.records import RowRecords
+from kvguard.step import StepView
+from kvguard.verdict import Kind
+
+_TOKEN_MUL = to_signed64(0x9E3779B97F4A7C15)
+
+
+def chain_terms(tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """Per-token term of the prefix chain: chain(p) = seed + sum_{i<=p} term(token_i, i)."""
+    return splitmix64(tokens.to(torch.int64) * _TOKEN_MUL + positions.to(torch.int64))
+
+
+def segment_prefix_sums(terms: torch.Tensor, seg: torch.Tensor, num_segs: int) -> torch.Tensor:
+    """Inclusive prefix sums of ``terms`` restarted at each segment (``seg`` ascending)."""
+    cs = torch.cumsum(terms, 0)
+    counts = torch.zeros(num_segs, dtype=torch.int64, device=terms.device)
+    counts.index_add_(0, seg, torch.ones_like(seg))
+    starts = torch.cumsum(counts, 0) - counts
+    before = torch.where(starts > 0, cs[(starts - 1).clamp(min=0)], torch.zeros_like(starts))
+    return cs - before[seg]
+
+
+@dataclass(slots=True)
+class StepVerdict:
+    view: StepView
+    kinds: torch.Tensor  # [B] int64 bitmask of Kind per request
+    taint: torch.Tensor  # [num_pages] bool: pages whose content this step proved bad
+
+
+class StepChecker:
+    def __init__(self, ledger: PageLedger, records: RowRecords, config: GuardConfig, kv_buffers):
+        self.ledger = ledger
+        self.records = records
+        self.config = config
+        self.kv_buffers = list(kv_buffers)  # [k0, v0, k1, v1, ...] slot-major
+        self.sweep_cursor = 0
+        self.tokens_hashed = 0  # host counter of tokens checksummed (metrics)
+
+    def _digests(self, slots: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        self.tokens_hashed += slots.numel()
+        return token_digests(self.kv_buffers, slots, positions)
+
+    # -- before the forward ------------------------------------------------------------------------
+    def before_forward(self, v: StepView) -> StepVerdict:
+        L, R = self.ledger, self.records
+        dev = L.device
+        B = v.rows.numel()
+        kinds = torch.zeros(B, dtype=torch.int64, device=dev)
+        taint = torch.zeros(L.num_pages, dtype=torch.bool, device=dev)
+        rows = v.rows.to(torch.int64)
+
+        def flag(batch_idx: torch.Tensor, mask: torch.Tensor, kind: Kind):
+            hit = torch.zeros(B, dtype=torch.int64, device=dev)
+            hit.index_add_(0, batch_idx.reshape(-1), mask.reshape(-1).to(torch.int64))
+            kinds.bitwise_or_((hit > 0).to(torch.int64) * int(kind))
+
+        if self.config.mode is Mode.SAMPLED and self.config.sweep_tokens_per_step:
+            self._sweep(v.step, taint)
+        if v.write_slots.numel():
+            self._check_writes(v, rows, taint, flag)
+        if v.max_prefix_len > 0:
+            self._check_reads(v, rows, taint, flag)
+        return StepVerdict(view=v, kinds=kinds, taint=taint)
+
+    def _check_writes(self, v: StepView, rows, taint, flag):
+        L, R, ps = self.ledger, self.records, self.ledger.page_size
+        b = v.write_batch.to(torch.int64)
+        r = rows[b]
+        p = v.write_pos.to(torch.int64)
+        s = v.write_slots.to(torch.int64)
+        page = torch.div(s, ps, rounding_mode="floor")
+        lp = torch.div(p, ps, rounding_mode="floor")
+
+        flag(b, v.page_table[r, p].to(torch.int64) != s, Kind.TABLE_MISMATCH)
+        flag(b, (s % ps) != (p % ps), Kind.MISPLACED_SLOT)
+        flag(b, L.written[s], Kind.OVERWRITE)
+        taint.index_put_((page,), L.written[s], accumulate=True)
+
+        # A token at a page boundary claims a fresh page; the page must be free.
+        first = (p % ps) == 0
+        st = L.state[page]
+        claimed_busy = first & (st != PageState.FREE)
+        flag(b, claimed_busy & (st == PageState.OWNED), Kind.DOUBLE_ALLOCATION)
+        flag(b, claimed_busy & (st == PageState.SHARED), Kind.WRITE_TO_SHARED)
+        flag(b, claimed_busy & (st == PageState.QUARANTINED), Kind.QUARANTINED_PAGE)
+        taint.index_put_((page,), claimed_busy, accumulate=True)
+        # Two rows claiming one page in the same step: both are double allocations.
+        claims = torch.zeros(L.num_pages, dtype=torch.int64, device=L.device)
+        claims.index_add_(0, page, first.to(torch.int64))
+        contested = first & (claims[page] > 1)
+        flag(b, contested, Kind.DOUBLE_ALLOCATION)
+        taint.index_put_((page,), contested, accumulate=True)
+
+        # Claim: epochs are unique per (step, token), so a stale reference never validates.
+        epoch = (v.step << 20) + torch.arange(1, s.numel() + 1, device=L.device)
+        cp = torch.where(first, page, torch.zeros_like(page))  # page 0 is SGLang's padding page
+        keep = ~first
+        L.state[cp] = torch.where(keep, L.state[cp], torch.full_like(L.state[cp], PageState.OWNED))
+        L.epoch[cp] = torch.where(keep, L.epoch[cp], epoch)
+        L.owner_row[cp] = torch.where(keep, L.owner_row[cp], r.to(torch.int32))
+        L.lpage[cp] = torch.where(keep, L.lpage[cp], lp.to(torch.int32))
+        rr, ll = torch.where(first, r, 0), torch.where(first, lp, 0)  # row 0 is SGLang's padding row
+        R.epoch[rr, ll] = torch.where(keep, R.epoch[rr, ll], epoch)
+        L.record(torch.where(first, page, torch.zeros_like(page)), Event.CLAIM, v.step, r)
+
+        # Every written token: its page must now be ours (claimed above or earlier).
+        st = L.state[page]
+        mine = (L.epoch[page] == R.epoch[r, lp]) & (st == PageState.OWNED)
+        flag(b, ~mine & (st == PageState.SHARED), Kind.WRITE_TO_SHARED)
+        flag(b, ~mine & (st != PageState.SHARED), Kind.WRONG_OWNER)
+        taint.index_put_((page,), ~mine, accumulate=True)
+
+        # Token chain: bound into the slot (the page's tag) and into the reader's record.
+        prev = (v.prefix_lens.to(torch.int64) - 1).clamp(min=0)
+        base = torch.where(v.prefix_lens > 0, R.chain[rows, prev], self._seeds(v, None))
+        chain = base[b] + segment_prefix_sums(chain_terms(v.write_tokens, p), b, rows.numel())
+        L.chain[s] = chain
+        R.chain[r, p] = chain
+        R.sealed[r, p] = False
+
+    def _seeds(self, v: StepView, b):
+        if v.tenant_seeds is None:
+            n = v.rows.numel() if b is None else b.numel()
+            return torch.zeros(n, dtype=torch.int64, device=self.ledger.device)
+        seeds = v.tenant_seeds.to(torch.int64)
+        return seeds if b is None else seeds[b]
+
+    def _check_reads(self, v: StepView, rows, taint, flag):
+        L, R, ps = self.ledger, self.records, self.ledger.page_size
+        dev = L.device
+        B = rows.numel()
+        pos = torch.arange(v.max_prefix_len, device=dev)[None, :].expand(B, -1)
+        valid = pos < v.prefix_lens.to(torch.int64)[:, None]
+        bidx = torch.arange(B, device=dev)[:, None].expand_as(pos)
+        r = rows[:, None].expand_as(pos)
+        slots = v.page_table[r, pos].to(torch.int64)
+        slots = torch.where(valid, slots, torch.zeros_like(slots))
+        page = torch.div(slots, ps, rounding_mode="floor")
+        lp = torch.div(pos, ps, rounding_mode="floor")
+        st = L.state[page]
+        live = (st == PageState.OWNED) | (st == PageState.SHARED)
+        tag_ok = (L.epoch[page] == R.epoch[r, lp]) & live
+
+        # The token chain the reader expects at each position: from its own prompt on a
+        # prefix-cache hand-off (extend steps), else from its own record.
+        handoff = v.prefix_tokens is not None
+        if handoff:
+            pl = v.prefix_lens.to(torch.int64)
+            seg = torch.repeat_interleave(torch.arange(B, device=dev), pl)
+            tok_pos = torch.arange(seg.numel(), device=dev) - (torch.cumsum(pl, 0) - pl)[seg]
+            want = self._seeds(v, seg) + segment_prefix_sums(chain_terms(v.prefix_tokens, tok_pos), seg, B)
+            expected = torch.zeros_like(slots)
+            expected[seg, tok_pos] = want
+        else:
+            expected = R.chain[r, pos]
+        chain_ok = L.chain[slots] == expected
+        mismatch_kind = Kind.PREFIX_MISMATCH if handoff else Kind.WRONG_OWNER
+
+        # Adopt a live page that holds exactly our prefix (prefix-cache hit, or the cache
+        # replacing our copy with its own): re-bind its epoch, take its sealed digest.
+        written = L.written[slots]
+        adopt = valid & ~tag_ok & live & written & chain_ok
+        flag(bidx, valid & ~tag_ok & live & ~chain_ok, mismatch_kind)
+        flag(bidx, valid & ~tag_ok & live & chain_ok & ~written, Kind.READ_UNWRITTEN)
+        flag(bidx, valid & tag_ok & ~chain_ok, mismatch_kind)
+        flag(bidx, valid & (st == PageState.QUARANTINED), Kind.QUARANTINED_PAGE)
+        flag(bidx, valid & ~live & (st != PageState.QUARANTINED), Kind.WRONG_OWNER)
+        flag(bidx, valid & ((slots % ps) != (pos % ps)), Kind.MISPLACED_SLOT)
+        # Masked-out entries land on row 0 / position 0: SGLang never gives row 0 to a request.
+        ar = torch.where(adopt, r, torch.zeros_like(r))
+        apos = torch.where(adopt, pos, torch.zeros_like(pos))
+        alp = torch.div(apos, ps, rounding_mode="floor")
+        R.epoch[ar, alp] = torch.where(adopt, L.epoch[page], R.epoch[ar, alp])
+        R.chain[ar, apos] = torch.where(adopt, L.chain[slots], R.chain[ar, apos])
+        R.digest[ar, apos] = torch.where(adopt, L.digest[slots], R.digest[ar, apos])
+        R.sealed[ar, apos] = R.sealed[ar, apos] | adopt
+        if self.config.checksums and handoff:
+            # Hand-off: the bytes must still be what their writer sealed.
+            found = self._digests(slots.reshape(-1), pos.reshape(-1)).view_as(slots)
+            bad = adopt & (found != L.digest[slots])
+            flag(bidx, bad, Kind.CHECKSUM_MISMATCH)
+            taint.index_put_((page.reshape(-1),), bad.reshape(-1), accumulate=True)
+        tag_ok = tag_ok | adopt
+        flag(bidx, valid & tag_ok & ~R.sealed[r, pos], Kind.READ_UNWRITTEN)
+        if self.config.mode is Mode.PARANOID:
+            found = self._digests(slots.reshape(-1), pos.reshape(-1)).view_as(slots)
+            bad = valid & tag_ok & R.sealed[r, pos] & (found != R.digest[r, pos])
+            flag(bidx, bad, Kind.CHECKSUM_MISMATCH)
+            taint.index_put_((page.reshape(-1),), bad.reshape(-1), accumulate=True)
+        # A page found bad anywhere this step poisons every read of it.
+        flag(bidx, valid & taint[page], Kind.QUARANTINED_PAGE)
+
+    def _sweep(self, step: int, taint: torch.Tensor):
+        """Re-hash a rolling window of resting slots against their first-seal digests."""
+        L, ps = self.ledger, self.ledger.page_size
+        n = min(self.config.sweep_tokens_per_step, L.num_slots)
+        slots = (torch.arange(n, device=L.device) + self.sweep_cursor) % L.num_slots
+        self.sweep_cursor = (self.sweep_cursor + n) % L.num_slots
+        page = torch.div(slots, ps, rounding_mode="floor")
+        pos = L.lpage[page].to(torch.int64) * ps + slots % ps
+        live = L.written[slots] & ((L.state[page] == PageState.OWNED) | (L.state[page] == PageState.SHARED))
+        bad = live & (self._digests(slots, pos.clamp(min=0)) != L.digest[slots])
+        taint.index_put_((page,), bad, accumulate=True)
+
+    # -- after the forward -------------------------------------------------------------------------
+    def after_forward(self, v: StepView):
+        """Seal the tokens this forward wrote: enqueued after its writes, so no sync is needed."""
+        if v.write_slots.numel() == 0:
+            return
+        L, R = self.ledger, self.records
+        s = v.write_slots.to(torch.int64)
+        p = v.write_pos.to(torch.int64)
+        r = v.rows.to(torch.int64)[v.write_batch.to(torch.int64)]
+        if self.config.checksums:
+            d = self._digests(s, p)
+            L.digest[s] = d
+            R.digest[r, p] = d
+        L.written[s] = True
+        R.sealed[r, p] = True

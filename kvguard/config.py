@@ -1,0 +1,89 @@
+"""Guard configuration: one frozen value, from code, environment (``KVGUARD_*``) or CLI flags."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, fields, replace
+from enum import Enum
+
+
+class Mode(str, Enum):
+    OFF = "off"  # guard not installed
+    TAGS = "tags"  # owner/epoch/position/chain tags on every read and write, no checksums
+    SAMPLED = "sampled"  # tags + checksum at every hand-off + a rolling sweep of resting KV
+    PARANOID = "paranoid"  # sampled + every KV token read is checksummed before each forward
+
+
+class ConfigError(ValueError):
+    """An invalid guard setting; raised at start-up, never mid-serving."""
+
+
+@dataclass(frozen=True, slots=True)
+class GuardConfig:
+    mode: Mode = Mode.SAMPLED
+    sweep_tokens_per_step: int = 256  # resting tokens re-hashed per step in sampled mode
+    tenant_isolation: bool = False  # bind a request's tenant into its prefix chain
+    log_history: int = 4  # events per page kept for forensic records (fixed by the ledger)
+
+    def __post_init__(self):
+        if not isinstance(self.mode, Mode):
+            try:
+                object.__setattr__(self, "mode", Mode(str(self.mode).lower()))
+            except ValueError:
+                raise ConfigError(
+                    f"invalid kvguard mode {self.mode!r}: choose one of "
+                    + ", ".join(m.value for m in Mode)
+                ) from None
+        if not isinstance(self.sweep_tokens_per_step, int) or self.sweep_tokens_per_step < 0:
+            raise ConfigError(
+                f"sweep_tokens_per_step must be an integer >= 0, got {self.sweep_tokens_per_step!r}"
+            )
+
+    @property
+    def enabled(self) -> bool:
+        return self.mode is not Mode.OFF
+
+    @property
+    def checksums(self) -> bool:
+        return self.mode in (Mode.SAMPLED, Mode.PARANOID)
+
+    @classmethod
+    def from_env(cls, environ=None, **overrides) -> "GuardConfig":
+        """Read ``KVGUARD_MODE``, ``KVGUARD_SWEEP_TOKENS_PER_STEP``, ``KVGUARD_TENANT_ISOLATION``."""
+        environ = os.environ if environ is None else environ
+        values = {}
+        for f in fields(cls):
+            raw = environ.get(f"KVGUARD_{f.name.upper()}")
+            if raw is None:
+                continue
+            values[f.name] = _parse(f.name, raw, f.type)
+        values.update({k: v for k, v in overrides.items() if v is not None})
+        return cls(**values)
+
+    def to_env(self) -> dict[str, str]:
+        """The environment that reproduces this config in a child process."""
+        out = {}
+        for f in fields(self):
+            v = getattr(self, f.name)
+            out[f"KVGUARD_{f.name.upper()}"] = v.value if isinstance(v, Mode) else str(int(v) if isinstance(v, bool) else v)
+        return out
+
+    def with_(self, **kw) -> "GuardConfig":
+        return replace(self, **kw)
+
+
+def _parse(name: str, raw: str, typ) -> object:
+    typ = str(typ)
+    if "bool" in typ:
+        low = raw.strip().lower()
+        if low in ("1", "true", "yes", "on"):
+            return True
+        if low in ("0", "false", "no", "off"):
+            return False
+        raise ConfigError(f"KVGUARD_{name.upper()}={raw!r} is not a boolean (use 1/0, true/false)")
+    if "int" in typ:
+        try:
+            return int(raw)
+        except ValueError:
+            raise ConfigError(f"KVGUARD_{name.upper()}={raw!r} is not an integer") from None
+    return raw

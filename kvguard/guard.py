@@ -1,0 +1,171 @@
+"""The guard: one object per KV pool that engine adapters feed with events.
+
+An adapter (``kvguard.patches`` for SGLang) calls, in engine order:
+``before_forward(view)`` -> the forward runs -> ``after_forward(view)``; later, at the sync that
+already follows the forward, ``resolve(verdict, handles)`` reads the verdict and acts. Pool events
+arrive as ``on_release`` (pages back to the free list), ``on_share`` (prefix cache took slots) and
+``on_rows_allocated`` (a page-table row handed to a new request).
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from kvguard.actions import Actions, EngineControl
+from kvguard.checker import StepChecker, StepVerdict
+from kvguard.config import GuardConfig
+from kvguard.ledger import PageLedger, PageState
+from kvguard.metrics import GuardMetrics
+from kvguard.records import RowRecords
+from kvguard.step import StepView
+from kvguard.verdict import Kind, Violation, new_violation_id
+
+
+class Guard:
+    def __init__(
+        self,
+        config: GuardConfig,
+        *,
+        num_slots: int,
+        page_size: int,
+        num_rows: int,
+        max_len: int,
+        kv_buffers: list[torch.Tensor],
+        device,
+        engine: EngineControl | None = None,
+        metrics: GuardMetrics | None = None,
+    ):
+        self.config = config
+        self.ledger = PageLedger(num_slots, page_size, device)
+        self.records = RowRecords(num_rows, max_len, page_size, device)
+        self.checker = StepChecker(self.ledger, self.records, config, kv_buffers)
+        self.metrics = metrics or GuardMetrics.default()
+        self.actions = Actions(self.ledger, self.metrics, engine)
+        self.step = 0
+        self._hashed_reported = 0
+        self._double_freed = torch.zeros(self.ledger.num_pages, dtype=torch.bool, device=self.ledger.device)
+
+    # -- forward ------------------------------------------------------------------------------------
+    def before_forward(self, view: StepView) -> StepVerdict:
+        t0 = time.perf_counter()
+        self.step = view.step
+        verdict = self.checker.before_forward(view)
+        self.metrics.steps_checked.inc()
+        self.metrics.tokens_checked.inc(view.write_slots.numel())
+        self._account(t0)
+        return verdict
+
+    def after_forward(self, view: StepView):
+        t0 = time.perf_counter()
+        self.checker.after_forward(view)
+        self._account(t0)
+
+    def resolve(self, verdict: StepVerdict, handles: list[object]) -> list[Violation]:
+        """Read a step's verdict (the caller has synced) and act on it. Returns the violations."""
+        t0 = time.perf_counter()
+        summary = torch.cat((verdict.kinds, torch.stack((verdict.taint.any(), self._double_freed.any())).to(torch.int64))).cpu()
+        kinds, any_taint, any_double = summary[:-2], bool(summary[-2]), bool(summary[-1])
+        if any_double:
+            self._report_double_free()
+        if not bool(kinds.any()) and not any_taint:
+            self._account(t0)
+            return []
+        bad_pages = torch.nonzero(verdict.taint).reshape(-1)
+        violations, bad_handles = [], []
+        for b in torch.nonzero(kinds).reshape(-1).tolist():
+            violations.append(self._forensics(verdict.view, b, Kind(int(kinds[b]))))
+            bad_handles.append(handles[b])
+        # Their private pages can no longer be trusted either: quarantine them with the rest.
+        own = self._private_pages([verdict.view.rows[b] for b in torch.nonzero(kinds).reshape(-1).tolist()])
+        self.actions.apply(violations, bad_handles, torch.cat((bad_pages, own)), verdict.view.step)
+        self._account(t0)
+        return violations
+
+    # -- pool events ----------------------------------------------------------------------------------
+    def on_release(self, pages: torch.Tensor) -> torch.Tensor:
+        """Pages go back to the engine's free list. Returns the pages that may be reused
+        (quarantined ones are withheld)."""
+        t0 = time.perf_counter()
+        pages = pages.to(torch.int64)
+        double = self.ledger.release(pages, self.step)
+        if self.ledger.num_quarantined:
+            pages = pages[self.ledger.state[pages] != PageState.QUARANTINED]
+        self._double_freed.index_put_((pages,), double, accumulate=True)  # read at resolve
+        self._account(t0)
+        return pages
+
+    def on_share(self, slots: torch.Tensor):
+        self.ledger.share(slots, self.step)
+
+    def on_rows_allocated(self, rows: torch.Tensor):
+        """A row is reused by a new request: forget what its previous owner expected."""
+        rows = rows.to(torch.int64)
+        self.records.epoch[rows] = 0
+        self.records.chain[rows] = 0
+        self.records.sealed[rows] = False
+
+    def reset(self):
+        self.ledger.reset()
+        self.records.epoch.zero_()
+        self.records.sealed.zero_()
+
+    @property
+    def num_quarantined_slots(self) -> int:
+        return self.ledger.num_quarantined * self.ledger.page_size
+
+    def _report_double_free(self):
+        pages = torch.nonzero(self._double_freed).reshape(-1)
+        self._double_freed.zero_()
+        self.actions.engine_event(
+            Violation(new_violation_id(), Kind.DOUBLE_FREE, self.step, None, None,
+                      [self.ledger.describe(int(p)) for p in pages[:8].tolist()])
+        )
+
+    # -- internals --------------------------------------------------------------------------------------
+    def _account(self, t0: float):
+        self.metrics.check_seconds.inc(time.perf_counter() - t0)
+        hashed = self.checker.tokens_hashed
+        if hashed != self._hashed_reported:
+            self.metrics.tokens_checksummed.inc(hashed - self._hashed_reported)
+            self._hashed_reported = hashed
+
+    def _private_pages(self, rows: list[torch.Tensor]) -> torch.Tensor:
+        if not rows:
+            return torch.empty(0, dtype=torch.int64)
+        rows_t = torch.stack([r.to(torch.int64) for r in rows]).to(self.ledger.device)
+        mine = (self.ledger.owner_row[:, None] == rows_t[None, :]).any(1) & (
+            self.ledger.state == PageState.OWNED
+        )
+        return torch.nonzero(mine).reshape(-1).cpu()
+
+    def _forensics(self, v: StepView, b: int, kinds: Kind) -> Violation:
+        """Slow path: name the suspect pages of request b with expected vs found tags."""
+        L, R, ps = self.ledger, self.records, self.ledger.page_size
+        row = int(v.rows[b])
+        n = int(v.prefix_lens[b])
+        pages = []
+        slots = v.page_table[row, :n].to(torch.int64).cpu()
+        writes = v.write_slots[v.write_batch == b].to(torch.int64).cpu()
+        positions = list(range(n)) + v.write_pos[v.write_batch == b].tolist()
+        for pos, slot in zip(positions, slots.tolist() + writes.tolist()):
+            if pos % ps and pos >= n:
+                continue
+            page = slot // ps
+            expected = int(R.epoch[row, pos // ps])
+            info = L.describe(page)
+            suspect = (
+                info["epoch"] != expected
+                or info["state"] not in ("owned", "shared")
+                or slot % ps != pos % ps
+                or (pos < n and not bool(R.sealed[row, pos]))
+            )
+            if suspect or (kinds & (Kind.CHECKSUM_MISMATCH | Kind.QUARANTINED_PAGE)):
+                info.update(position=pos, slot=slot, expected_epoch=expected,
+                            expected_digest=int(R.digest[row, pos]), found_digest=int(L.digest[slot]))
+                pages.append(info)
+            if len(pages) >= 8:
+                break
+        rid = v.request_ids[b] if v.request_ids else None
+        return Violation(new_violation_id(), kinds, v.step, rid, row, pages)

@@ -1,0 +1,28 @@
+"""Prometheus series, namespace ``kvguard_``. In SGLang's scheduler (a child process) they reach the
+server's ``/metrics`` through prometheus-client's multiprocess mode, which SGLang enables with
+``--enable-metrics`` (``kvguard-serve`` turns it on)."""
+
+from __future__ import annotations
+
+from prometheus_client import REGISTRY, CollectorRegistry, Counter
+
+_default: "GuardMetrics | None" = None
+
+
+class GuardMetrics:
+    def __init__(self, registry: CollectorRegistry = REGISTRY):
+        kw = dict(namespace="kvguard", registry=registry)
+        self.steps_checked = Counter("steps_checked", "Forward steps whose reads and writes were checked", **kw)
+        self.tokens_checked = Counter("tokens_checked", "KV token reads and writes tag-checked", **kw)
+        self.tokens_checksummed = Counter("tokens_checksummed", "KV tokens hashed (seal, hand-off, sweep, paranoid)", **kw)
+        self.violations = Counter("violations", "Integrity violations found, by kind", ["kind"], **kw)
+        self.requests_aborted = Counter("requests_aborted", "Requests aborted by the guard", **kw)
+        self.pages_quarantined = Counter("pages_quarantined", "KV pages withheld from reuse", **kw)
+        self.check_seconds = Counter("check_seconds", "Host time spent in guard hooks", **kw)
+
+    @classmethod
+    def default(cls) -> "GuardMetrics":
+        global _default
+        if _default is None:
+            _default = cls()
+        return _default

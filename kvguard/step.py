@@ -1,0 +1,25 @@
+"""One forward step as the guard sees it: engine-agnostic tensors, filled in by an engine adapter."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(slots=True)
+class StepView:
+    step: int
+    rows: torch.Tensor  # [B] int64: each request's page-table row
+    prefix_lens: torch.Tensor  # [B] int64: positions already in the KV before this forward (read)
+    max_prefix_len: int  # host copy of max(prefix_lens), sizes the read grid without a sync
+    write_slots: torch.Tensor  # [N] int64: KV slots this forward writes (out_cache_loc)
+    write_batch: torch.Tensor  # [N] int64: request index (0..B-1) of each written token, ascending
+    write_pos: torch.Tensor  # [N] int64: logical position of each written token
+    write_tokens: torch.Tensor  # [N] int64: token id whose KV each slot receives
+    page_table: torch.Tensor  # [R, S] the engine's req_to_token (slot per row and position)
+    # Hand-off from the prefix cache (extend steps only): each request's own prefix tokens,
+    # packed [sum(prefix_lens)], so a shared page is adopted only if its token chain is ours.
+    prefix_tokens: torch.Tensor | None = None
+    tenant_seeds: torch.Tensor | None = None  # [B] int64 chain seeds when tenants are isolated
+    request_ids: list[str] | None = None  # host ids, for forensic records only

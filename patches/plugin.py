@@ -1,0 +1,28 @@
+"""SGLang general plugin (entry point ``sglang.srt.plugins: kvguard``): runs at the start of every
+SGLang process that calls ``load_plugins()`` (scheduler, detokenizer, engine) and registers the hooks
+listed in ``targets.py``. Registration is idempotent per process; nothing here imports torch-heavy
+SGLang modules (the registry resolves targets after all plugins ran)."""
+
+from __future__ import annotations
+
+import importlib
+
+from kvguard.config import GuardConfig
+from kvguard.patches.targets import GUARD_TARGETS
+
+_registered = False
+
+
+def load() -> None:
+    global _registered
+    if _registered:
+        return
+    config = GuardConfig.from_env()  # an invalid setting fails loudly here, at start-up
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+    if config.enabled:
+        for target, hook_type, hook_path, _why in GUARD_TARGETS:
+            module_name, fn_name = hook_path.rsplit(".", 1)
+            module = importlib.import_module(f"kvguard.patches.{module_name}")
+            HookRegistry.register(target, getattr(module, fn_name), HookType[hook_type])
+    _registered = True

@@ -1,0 +1,217 @@
+"""kvguard inside SGLang's scheduler: builds the engine-agnostic StepView from SGLang's batches,
+and carries out the guard's actions (abort one request, withhold quarantined pages).
+
+The hook functions here are named in ``targets.py``. They run in every scheduler process (the
+plugin loads there). A guard failure must never take the scheduler down: hooks that only observe
+catch their own errors, log them, and let SGLang proceed; a request whose verdict cannot be
+computed is aborted rather than served unchecked.
+"""
+
+from __future__ import annotations
+
+import threading
+from http import HTTPStatus
+
+import structlog
+import torch
+
+from kvguard.config import GuardConfig
+from kvguard.guard import Guard
+from kvguard.step import StepView
+
+log = structlog.get_logger("kvguard")
+
+_local = threading.local()  # the ScheduleBatch of the forward in flight on this thread
+_guard: Guard | None = None  # one per scheduler process
+_scheduler = None
+
+
+def active_guard() -> Guard | None:
+    return _guard
+
+
+class SGLangControl:
+    """EngineControl for SGLang: what the guard's action layer may do to the engine."""
+
+    def __init__(self, scheduler):
+        self.scheduler = scheduler
+
+    def abort(self, req, violation):
+        from sglang.srt.managers.schedule_batch import FINISH_ABORT
+
+        if req.finished():
+            return  # already finished and released: nothing of it is served again
+        req.finished_reason = FINISH_ABORT(
+            violation.message, HTTPStatus.INTERNAL_SERVER_ERROR, "KVCacheIntegrityError"
+        )
+        req.skip_radix_cache_insert = True  # suspect KV never enters the prefix cache
+        req.kvguard_violation = violation
+
+    def withhold_pages(self, pages: torch.Tensor):
+        alloc = self.scheduler.token_to_kv_pool_allocator
+        for name in ("free_pages", "release_pages"):
+            free = getattr(alloc, name, None)
+            if isinstance(free, torch.Tensor) and free.numel():
+                setattr(alloc, name, free[~torch.isin(free, pages.to(free.device))])
+        staged = getattr(alloc, "staged_pages", None)
+        if staged:
+            alloc.staged_pages = [p[~torch.isin(p, pages.to(p.device))] for p in staged]
+            alloc.num_staged_pages = sum(p.numel() for p in alloc.staged_pages)
+
+
+# -- Scheduler.__init__ (AFTER) -------------------------------------------------------------------------
+def attach(result, scheduler, *args, **kwargs):
+    global _guard, _scheduler
+    config = GuardConfig.from_env()
+    if not config.enabled:
+        return result
+    runner = scheduler.tp_worker.model_runner
+    kv = runner.token_to_kv_pool
+    k_buf, v_buf = getattr(kv, "k_buffer", None), getattr(kv, "v_buffer", None)
+    if not isinstance(k_buf, list) or not isinstance(v_buf, list):
+        raise RuntimeError(
+            f"kvguard supports MHA KV pools with per-layer K/V buffers; got {type(kv).__name__}"
+        )
+    buffers = [b for pair in zip(k_buf, v_buf) for b in pair]
+    table = scheduler.req_to_token_pool.req_to_token
+    _guard = Guard(
+        config,
+        num_slots=buffers[0].shape[0],
+        page_size=scheduler.token_to_kv_pool_allocator.page_size,
+        num_rows=table.shape[0],
+        max_len=table.shape[1],
+        kv_buffers=buffers,
+        device=table.device,
+        engine=SGLangControl(scheduler),
+    )
+    _scheduler = scheduler
+    log.info("kvguard_attached", mode=config.mode.value, pid=__import__("os").getpid(),
+             slots=buffers[0].shape[0], page_size=_guard.ledger.page_size, layers=len(k_buf))
+    return result
+
+
+# -- TpModelWorker.forward_batch_generation (AROUND) ---------------------------------------------------
+def around_worker_forward(original, worker, batch=None, *args, **kwargs):
+    if _guard is None:
+        return original(worker, batch, *args, **kwargs)
+    _local.batch, _local.verdict = batch, None
+    try:
+        result = original(worker, batch, *args, **kwargs)
+    finally:
+        verdict, _local.batch, _local.verdict = _local.verdict, None, None
+    if verdict is not None:
+        result.kvguard_verdict = verdict
+    return result
+
+
+# -- ModelRunner.forward (AROUND) -----------------------------------------------------------------------
+def around_model_forward(original, runner, forward_batch, *args, **kwargs):
+    batch = getattr(_local, "batch", None)
+    if _guard is None or batch is None:
+        return original(runner, forward_batch, *args, **kwargs)
+    view = step_view(forward_batch, batch, runner.forward_pass_id + 1)
+    if view is None:
+        return original(runner, forward_batch, *args, **kwargs)
+    _local.verdict = _guard.before_forward(view)
+    out = original(runner, forward_batch, *args, **kwargs)
+    _guard.after_forward(view)
+    return out
+
+
+def step_view(fb, batch, step: int) -> StepView | None:
+    """SGLang ForwardBatch -> StepView. None for batches the guard does not model (idle, spec)."""
+    mode = fb.forward_mode
+    rows = fb.req_pool_indices.to(torch.int64)
+    if mode.is_decode():
+        prefix = fb.seq_lens.to(torch.int64) - 1
+        max_prefix = int(fb.seq_lens_cpu.max()) - 1 if fb.seq_lens_cpu is not None else int(prefix.max())
+        write_batch = torch.arange(rows.numel(), device=rows.device)
+        prefix_tokens = None
+    elif mode.is_extend() and fb.extend_prefix_lens is not None:
+        prefix = fb.extend_prefix_lens.to(torch.int64)
+        max_prefix = max(fb.extend_prefix_lens_cpu) if fb.extend_prefix_lens_cpu else 0
+        write_batch = torch.repeat_interleave(
+            torch.arange(rows.numel(), device=rows.device), fb.extend_seq_lens.to(torch.int64)
+        )
+        # Our own prompt's prefix tokens: a prefix-cache page is adopted only if it holds them.
+        lens = fb.extend_prefix_lens_cpu
+        tokens = [t for req, n in zip(batch.reqs, lens) if n for t in req.fill_ids[:n]]
+        prefix_tokens = torch.tensor(tokens, dtype=torch.int64).to(rows.device, non_blocking=True)
+    else:
+        return None
+    return StepView(
+        step=step,
+        rows=rows,
+        prefix_lens=prefix,
+        max_prefix_len=max(int(max_prefix), 0),
+        write_slots=fb.out_cache_loc.to(torch.int64),
+        write_batch=write_batch,
+        write_pos=fb.positions.to(torch.int64),
+        write_tokens=fb.input_ids.to(torch.int64),
+        page_table=_scheduler.req_to_token_pool.req_to_token,
+        prefix_tokens=prefix_tokens,
+        request_ids=[req.rid for req in batch.reqs],
+    )
+
+
+# -- Scheduler.process_batch_result (AROUND) ------------------------------------------------------------
+def around_process_batch_result(original, scheduler, batch, result, *args, **kwargs):
+    verdict = getattr(result, "kvguard_verdict", None)
+    if _guard is None or verdict is None:
+        return original(scheduler, batch, result, *args, **kwargs)
+    copy_done = getattr(result, "copy_done", None)
+    if copy_done is not None:
+        copy_done.synchronize()  # the sync SGLang does first thing anyway
+    try:
+        _guard.resolve(verdict, handles=list(batch.reqs))
+    except Exception:  # the verdict could not be read: serve nothing unchecked from this step
+        log.exception("kvguard_resolve_failed", step=verdict.view.step)
+        control = _guard.actions.engine
+        from kvguard.verdict import Kind, Violation, new_violation_id
+
+        for req in batch.reqs:
+            control.abort(req, Violation(new_violation_id(), Kind(0), verdict.view.step, req.rid, None))
+    aborted = [r for r in batch.reqs if getattr(r, "kvguard_violation", None) is not None
+               and not getattr(r, "kvguard_released", False)]
+    if not aborted:
+        return original(scheduler, batch, result, *args, **kwargs)
+    # Finished requests are skipped by the result loop under overlap semantics: their token of
+    # this step is never appended nor streamed. Apply those semantics for this one call.
+    proc = scheduler.batch_result_processor
+    saved, proc.enable_overlap = proc.enable_overlap, True
+    try:
+        out = original(scheduler, batch, result, *args, **kwargs)
+    finally:
+        proc.enable_overlap = saved
+    for req in aborted:
+        if req.kv.holds_kv:
+            proc._handle_sampling_mask_abort(req)  # SGLang's "release, do not commit" path
+        req.kvguard_released = True
+    return out
+
+
+# -- allocator frees (AROUND) -----------------------------------------------------------------------------
+def around_release_pages(original, allocator, *page_ids):
+    if _guard is None or not page_ids:
+        return original(allocator, *page_ids)
+    return original(allocator, *[_guard.on_release(p) for p in page_ids])
+
+
+def around_token_free(original, allocator, free_index):
+    if _guard is None or free_index.numel() == 0 or allocator.free_group is not None:
+        return original(allocator, free_index)  # grouped frees come back here ungrouped
+    return original(allocator, _guard.on_release(free_index))
+
+
+# -- ReqToTokenPool.alloc_rows (AFTER) ---------------------------------------------------------------------
+def on_rows_allocated(result, pool, *args, **kwargs):
+    if _guard is not None and result:
+        _guard.on_rows_allocated(torch.tensor(result, dtype=torch.int64, device=_guard.ledger.device))
+    return result
+
+
+# -- SchedulerInvariantChecker._check_pool_invariant (AROUND) -------------------------------------------------
+def around_pool_invariant(original, pool_name, available, *args, **kwargs):
+    if _guard is not None and pool_name == "full":
+        available += _guard.num_quarantined_slots  # withheld by the guard, not leaked
+    return original(pool_name, available, *args, **kwargs)
