@@ -1,1 +1,29 @@
-"""kvguard: KV-cache integrity guard for paged LLM serving."""
+"""kvguard: KV-cache integrity guard for paged LLM serving.
+
+Importing the package is cheap (no torch, no SGLang): a ``.pth`` file imports a submodule of it at
+every interpreter start in the project's virtual environment.
+"""
+
+from __future__ import annotations
+
+
+def install(engine, config=None) -> list[dict]:
+    """Check that the guard runs in every scheduler process of an in-process ``sglang.Engine``.
+
+    SGLang starts its schedulers while the Engine is created, and kvguard loads into them then
+    (SGLang plugin entry point), configured by ``KVGUARD_*`` in the environment. So configure
+    first, then create the Engine, then call ``install``::
+
+        os.environ.update(kvguard.config.GuardConfig(mode="paranoid").to_env())
+        engine = sglang.Engine(model_path=...)
+        kvguard.install(engine)  # raises GuardNotActiveError if the schedulers run no guard
+
+    With ``config``, the schedulers' settings must also match it. Returns one report per
+    scheduler (mode, pid, page size, ...).
+    """
+    from kvguard.engine_status import install as _install
+
+    return _install(engine, config)
+
+
+__all__ = ["install"]

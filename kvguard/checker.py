@@ -60,12 +60,14 @@ class StepChecker:
         return token_digests(self.kv_buffers, slots, positions)
 
     # -- before the forward ------------------------------------------------------------------------
-    def before_forward(self, v: StepView) -> StepVerdict:
+    def before_forward(self, v: StepView, taint: torch.Tensor | None = None) -> StepVerdict:
+        """``taint``: pages already known bad (found between forwards); updated in place."""
         L, R = self.ledger, self.records
         dev = L.device
         B = v.rows.numel()
         kinds = torch.zeros(B, dtype=torch.int64, device=dev)
-        taint = torch.zeros(L.num_pages, dtype=torch.bool, device=dev)
+        if taint is None:
+            taint = torch.zeros(L.num_pages, dtype=torch.bool, device=dev)
         rows = v.rows.to(torch.int64)
 
         def flag(batch_idx: torch.Tensor, mask: torch.Tensor, kind: Kind):
@@ -75,10 +77,14 @@ class StepChecker:
 
         if self.config.mode is Mode.SAMPLED and self.config.sweep_tokens_per_step:
             self._sweep(v.step, taint)
+        # Reads first: adoption fills the records the write chain continues from.
+        reads = self._check_reads(v, rows, taint, flag) if v.max_prefix_len > 0 else None
         if v.write_slots.numel():
             self._check_writes(v, rows, taint, flag)
-        if v.max_prefix_len > 0:
-            self._check_reads(v, rows, taint, flag)
+        if reads is not None:
+            # A page found bad anywhere this step poisons every read of it.
+            bidx, valid, page = reads
+            flag(bidx, valid & taint[page], Kind.QUARANTINED_PAGE)
         return StepVerdict(view=v, kinds=kinds, taint=taint)
 
     def _check_writes(self, v: StepView, rows, taint, flag):
@@ -98,7 +104,7 @@ class StepChecker:
         # A token at a page boundary claims a fresh page; the page must be free.
         first = (p % ps) == 0
         st = L.state[page]
-        claimed_busy = first & (st != PageState.FREE)
+        claimed_busy = first & (st != PageState.FREE) & (st != PageState.ALLOCATED)
         flag(b, claimed_busy & (st == PageState.OWNED), Kind.DOUBLE_ALLOCATION)
         flag(b, claimed_busy & (st == PageState.SHARED), Kind.WRITE_TO_SHARED)
         flag(b, claimed_busy & (st == PageState.QUARANTINED), Kind.QUARANTINED_PAGE)
@@ -206,8 +212,7 @@ class StepChecker:
             bad = valid & tag_ok & R.sealed[r, pos] & (found != R.digest[r, pos])
             flag(bidx, bad, Kind.CHECKSUM_MISMATCH)
             taint.index_put_((page.reshape(-1),), bad.reshape(-1), accumulate=True)
-        # A page found bad anywhere this step poisons every read of it.
-        flag(bidx, valid & taint[page], Kind.QUARANTINED_PAGE)
+        return bidx, valid, page
 
     def _sweep(self, step: int, taint: torch.Tensor):
         """Re-hash a rolling window of resting slots against their first-seal digests."""

@@ -44,14 +44,18 @@ class Guard:
         self.metrics = metrics or GuardMetrics.default()
         self.actions = Actions(self.ledger, self.metrics, engine)
         self.step = 0
+        self.releasing_row: int | None = None  # set by the adapter while it releases an aborted request
         self._hashed_reported = 0
+        self._pending_taint = torch.zeros(self.ledger.num_pages, dtype=torch.bool, device=self.ledger.device)
         self._double_freed = torch.zeros(self.ledger.num_pages, dtype=torch.bool, device=self.ledger.device)
 
     # -- forward ------------------------------------------------------------------------------------
     def before_forward(self, view: StepView) -> StepVerdict:
         t0 = time.perf_counter()
         self.step = view.step
-        verdict = self.checker.before_forward(view)
+        # Pages found bad between forwards (allocation) count as found in this step.
+        verdict = self.checker.before_forward(view, self._pending_taint)
+        self._pending_taint = torch.zeros_like(self._pending_taint)
         self.metrics.steps_checked.inc()
         self.metrics.tokens_checked.inc(view.write_slots.numel())
         self._account(t0)
@@ -77,24 +81,39 @@ class Guard:
         for b in torch.nonzero(kinds).reshape(-1).tolist():
             violations.append(self._forensics(verdict.view, b, Kind(int(kinds[b]))))
             bad_handles.append(handles[b])
-        # Their private pages can no longer be trusted either: quarantine them with the rest.
-        own = self._private_pages([verdict.view.rows[b] for b in torch.nonzero(kinds).reshape(-1).tolist()])
-        self.actions.apply(violations, bad_handles, torch.cat((bad_pages, own)), verdict.view.step)
+        self.actions.apply(violations, bad_handles, bad_pages, verdict.view.step)
         self._account(t0)
         return violations
 
     # -- pool events ----------------------------------------------------------------------------------
     def on_release(self, pages: torch.Tensor) -> torch.Tensor:
-        """Pages go back to the engine's free list. Returns the pages that may be reused
-        (quarantined ones are withheld)."""
+        """Pages go back to the engine's free list. Returns the pages that may really be reused:
+        a page already free is not pushed twice, a quarantined page is withheld, and while an
+        aborted request is released (``releasing_row``) only pages it owns privately go back."""
         t0 = time.perf_counter()
+        L = self.ledger
         pages = pages.to(torch.int64)
-        double = self.ledger.release(pages, self.step)
-        if self.ledger.num_quarantined:
-            pages = pages[self.ledger.state[pages] != PageState.QUARANTINED]
-        self._double_freed.index_put_((pages,), double, accumulate=True)  # read at resolve
+        st = L.state[pages]
+        keep = (st != PageState.FREE) & (st != PageState.QUARANTINED)
+        if self.releasing_row is not None:
+            keep &= (st == PageState.OWNED) & (L.owner_row[pages] == self.releasing_row)
+        self._double_freed.index_put_((pages,), st == PageState.FREE, accumulate=True)  # read at resolve
+        pages = pages[keep]  # a sync on GPU, like the torch.unique SGLang's free already does
+        L.release(pages, self.step)
         self._account(t0)
         return pages
+
+    def private_pages(self, row: int) -> torch.Tensor:
+        """Pages the ledger says this row owns privately (slow path: aborted requests only)."""
+        L = self.ledger
+        return torch.nonzero((L.owner_row == row) & (L.state == PageState.OWNED)).reshape(-1)
+
+    def on_alloc(self, slots: torch.Tensor):
+        """The engine's allocator handed out slots. A page handed out while still held is
+        tainted: its holders and its new owner are aborted at their next forward."""
+        t0 = time.perf_counter()
+        self._pending_taint |= self.ledger.allocate(slots, self.step)
+        self._account(t0)
 
     def on_share(self, slots: torch.Tensor):
         self.ledger.share(slots, self.step)
@@ -130,15 +149,6 @@ class Guard:
         if hashed != self._hashed_reported:
             self.metrics.tokens_checksummed.inc(hashed - self._hashed_reported)
             self._hashed_reported = hashed
-
-    def _private_pages(self, rows: list[torch.Tensor]) -> torch.Tensor:
-        if not rows:
-            return torch.empty(0, dtype=torch.int64)
-        rows_t = torch.stack([r.to(torch.int64) for r in rows]).to(self.ledger.device)
-        mine = (self.ledger.owner_row[:, None] == rows_t[None, :]).any(1) & (
-            self.ledger.state == PageState.OWNED
-        )
-        return torch.nonzero(mine).reshape(-1).cpu()
 
     def _forensics(self, v: StepView, b: int, kinds: Kind) -> Violation:
         """Slow path: name the suspect pages of request b with expected vs found tags."""

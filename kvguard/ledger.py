@@ -19,9 +19,11 @@ class PageState(IntEnum):
     OWNED = 1  # claimed by one request row
     SHARED = 2  # held by the prefix cache; readers adopt it
     QUARANTINED = 3  # suspect: never handed out again, any read is a violation
+    ALLOCATED = 4  # handed out by the engine's allocator, not yet written by a request
 
 
 class Event(IntEnum):
+    ALLOC = 6
     CLAIM = 1
     SEAL = 2
     SHARE = 3
@@ -84,19 +86,28 @@ class PageLedger:
         }
 
     # -- transitions (engine events) ------------------------------------------------------------
-    def release(self, pages: torch.Tensor, step: int) -> torch.Tensor:
-        """Pages returned to the engine's free list. Returns a bool mask of double frees."""
+    def release(self, pages: torch.Tensor, step: int):
+        """Pages returned to the engine's free list (the guard already dropped double frees)."""
         pages = pages.to(torch.int64)
-        st = self.state[pages]
-        double = st == PageState.FREE
-        keep_quarantine = st == PageState.QUARANTINED
-        new_state = torch.where(keep_quarantine, st, torch.zeros_like(st))
-        self.state[pages] = new_state
+        self.state[pages] = PageState.FREE
         self.owner_row[pages] = -1
         slots = (pages[:, None] * self.page_size + torch.arange(self.page_size, device=self.device)).reshape(-1)
         self.written[slots] = False
         self.record(pages, Event.FREE, step)
-        return double
+
+    def allocate(self, slots: torch.Tensor, step: int) -> torch.Tensor:
+        """The allocator handed out these slots; pages starting at them are new. Returns a page
+        mask of pages handed out while still held (double allocation)."""
+        slots = slots.to(torch.int64)
+        first = (slots % self.page_size) == 0
+        page = torch.where(first, torch.div(slots, self.page_size, rounding_mode="floor"), 0)
+        st = self.state[page]
+        busy = first & (st != PageState.FREE)
+        self.state[page] = torch.where(first, torch.full_like(st, PageState.ALLOCATED), st)
+        self.record(page, Event.ALLOC, step)
+        held = torch.zeros(self.num_pages, dtype=torch.bool, device=self.device)
+        held.index_put_((page,), busy, accumulate=True)
+        return held
 
     def share(self, slots: torch.Tensor, step: int):
         """The prefix cache took these slots' pages (radix insert)."""

@@ -22,6 +22,7 @@ class Kind(IntFlag):
     CHECKSUM_MISMATCH = 1 << 8  # a sealed token's bytes changed since sealing
     QUARANTINED_PAGE = 1 << 9  # a read of a page the guard quarantined
     DOUBLE_FREE = 1 << 10  # a page released twice (engine-level, no request attached)
+    GUARD_ERROR = 1 << 11  # the guard itself failed on this step: nothing unchecked is served
 
     def names(self) -> list[str]:
         return [k.name.lower() for k in Kind if k & self]

@@ -8,7 +8,8 @@ from __future__ import annotations
 import importlib
 
 from kvguard.config import GuardConfig
-from kvguard.patches.targets import GUARD_TARGETS
+from kvguard.patches.targets import GUARD_TARGETS, QUANT_TARGETS
+from kvguard.serve.logconfig import configure_from_env
 
 _registered = False
 
@@ -17,12 +18,13 @@ def load() -> None:
     global _registered
     if _registered:
         return
+    configure_from_env()  # the kvguard-serve launcher's log format, if it set one
     config = GuardConfig.from_env()  # an invalid setting fails loudly here, at start-up
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
-    if config.enabled:
-        for target, hook_type, hook_path, _why in GUARD_TARGETS:
-            module_name, fn_name = hook_path.rsplit(".", 1)
-            module = importlib.import_module(f"kvguard.patches.{module_name}")
-            HookRegistry.register(target, getattr(module, fn_name), HookType[hook_type])
+    rows = (GUARD_TARGETS if config.enabled else []) + QUANT_TARGETS  # features: any guard mode
+    for target, hook_type, hook_path, _why in rows:
+        module_name, fn_name = hook_path.rsplit(".", 1)
+        module = importlib.import_module(f"kvguard.patches.{module_name}")
+        HookRegistry.register(target, getattr(module, fn_name), HookType[hook_type])
     _registered = True

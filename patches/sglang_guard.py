@@ -10,6 +10,7 @@ computed is aborted rather than served unchecked.
 from __future__ import annotations
 
 import threading
+from array import array
 from http import HTTPStatus
 
 import structlog
@@ -109,13 +110,37 @@ def around_model_forward(original, runner, forward_batch, *args, **kwargs):
     batch = getattr(_local, "batch", None)
     if _guard is None or batch is None:
         return original(runner, forward_batch, *args, **kwargs)
-    view = step_view(forward_batch, batch, runner.forward_pass_id + 1)
-    if view is None:
-        return original(runner, forward_batch, *args, **kwargs)
-    _local.verdict = _guard.before_forward(view)
+    try:
+        view = step_view(forward_batch, batch, runner.forward_pass_id + 1)
+        if view is not None:
+            _local.verdict = _guard.before_forward(view)
+    except Exception:  # a guard bug must cost the batch's requests, never the scheduler
+        log.exception("kvguard_check_failed")
+        view, _local.verdict = None, failed_verdict(batch)
     out = original(runner, forward_batch, *args, **kwargs)
-    _guard.after_forward(view)
+    if view is not None:
+        try:
+            _guard.after_forward(view)
+        except Exception:
+            log.exception("kvguard_seal_failed")
+            _local.verdict = failed_verdict(batch)
     return out
+
+
+def failed_verdict(batch):
+    """A verdict that aborts every request of the batch: what cannot be checked is not served."""
+    from kvguard.checker import StepVerdict
+    from kvguard.verdict import Kind
+
+    n = len(batch.reqs)
+    dev = _guard.ledger.device
+    rows = torch.zeros(n, dtype=torch.int64, device=dev)
+    view = StepView(step=_guard.step, rows=rows, prefix_lens=rows, max_prefix_len=0,
+                    write_slots=rows[:0], write_batch=rows[:0], write_pos=rows[:0],
+                    write_tokens=rows[:0], page_table=_scheduler.req_to_token_pool.req_to_token,
+                    request_ids=[r.rid for r in batch.reqs])
+    kinds = torch.full((n,), int(Kind.GUARD_ERROR), dtype=torch.int64, device=dev)
+    return StepVerdict(view=view, kinds=kinds, taint=torch.zeros(_guard.ledger.num_pages, dtype=torch.bool, device=dev))
 
 
 def step_view(fb, batch, step: int) -> StepView | None:
@@ -134,9 +159,11 @@ def step_view(fb, batch, step: int) -> StepView | None:
             torch.arange(rows.numel(), device=rows.device), fb.extend_seq_lens.to(torch.int64)
         )
         # Our own prompt's prefix tokens: a prefix-cache page is adopted only if it holds them.
-        lens = fb.extend_prefix_lens_cpu
-        tokens = [t for req, n in zip(batch.reqs, lens) if n for t in req.fill_ids[:n]]
-        prefix_tokens = torch.tensor(tokens, dtype=torch.int64).to(rows.device, non_blocking=True)
+        tokens = array("q")
+        for req, n in zip(batch.reqs, fb.extend_prefix_lens_cpu):
+            tokens.extend(req.full_untruncated_fill_ids[:n])
+        prefix_tokens = torch.frombuffer(tokens, dtype=torch.int64) if tokens else torch.empty(0, dtype=torch.int64)
+        prefix_tokens = prefix_tokens.to(rows.device, non_blocking=True)
     else:
         return None
     return StepView(
@@ -170,7 +197,7 @@ def around_process_batch_result(original, scheduler, batch, result, *args, **kwa
         from kvguard.verdict import Kind, Violation, new_violation_id
 
         for req in batch.reqs:
-            control.abort(req, Violation(new_violation_id(), Kind(0), verdict.view.step, req.rid, None))
+            control.abort(req, Violation(new_violation_id(), Kind.GUARD_ERROR, verdict.view.step, req.rid, None))
     aborted = [r for r in batch.reqs if getattr(r, "kvguard_violation", None) is not None
                and not getattr(r, "kvguard_released", False)]
     if not aborted:
@@ -178,16 +205,35 @@ def around_process_batch_result(original, scheduler, batch, result, *args, **kwa
     # Finished requests are skipped by the result loop under overlap semantics: their token of
     # this step is never appended nor streamed. Apply those semantics for this one call.
     proc = scheduler.batch_result_processor
-    saved, proc.enable_overlap = proc.enable_overlap, True
+    saved = proc.enable_overlap
+    object.__setattr__(proc, "enable_overlap", True)  # a frozen dataclass; restored below
     try:
         out = original(scheduler, batch, result, *args, **kwargs)
     finally:
-        proc.enable_overlap = saved
+        object.__setattr__(proc, "enable_overlap", saved)
     for req in aborted:
-        if req.kv.holds_kv:
-            proc._handle_sampling_mask_abort(req)  # SGLang's "release, do not commit" path
-        req.kvguard_released = True
+        release_aborted(scheduler, req)
     return out
+
+
+def release_aborted(scheduler, req):
+    """Release an aborted request by the ledger's truth, not only its (possibly corrupt) row:
+    SGLang's release frees only pages the request privately owns; pages displaced from its row
+    are freed too; pages found bad stay quarantined."""
+    req.kvguard_released = True
+    if not req.kv.holds_kv:
+        return
+    row = int(req.kv.req_pool_idx)
+    _guard.releasing_row = row
+    try:
+        own = _guard.private_pages(row)
+        scheduler.batch_result_processor._handle_sampling_mask_abort(req)  # "release, do not commit"
+        left = own[_guard.ledger.state[own] == 1]  # still OWNED: displaced from the row
+        left = left[_guard.ledger.owner_row[left] == row]
+        if left.numel():
+            scheduler.token_to_kv_pool_allocator.free_page_ids(left.to(torch.int64))
+    finally:
+        _guard.releasing_row = None
 
 
 # -- allocator frees (AROUND) -----------------------------------------------------------------------------
@@ -201,6 +247,31 @@ def around_token_free(original, allocator, free_index):
     if _guard is None or free_index.numel() == 0 or allocator.free_group is not None:
         return original(allocator, free_index)  # grouped frees come back here ungrouped
     return original(allocator, _guard.on_release(free_index))
+
+
+# -- allocator allocations and clears (AFTER) --------------------------------------------------------------------
+def on_slots_allocated(result, allocator, *args, **kwargs):
+    if _guard is not None and isinstance(result, torch.Tensor) and result.numel():
+        _guard.on_alloc(result)
+    return result
+
+
+def on_pool_cleared(result, allocator, *args, **kwargs):
+    if _guard is not None:
+        _guard.reset()
+    return result
+
+
+# -- UnifiedRadixCache.checkpoint_into_tree (AROUND) ---------------------------------------------------------
+def around_checkpoint_into_tree(original, cache, req, *args, **kwargs):
+    if _guard is None or not req.kv.holds_kv:
+        return original(cache, req, *args, **kwargs)
+    row = int(req.kv.req_pool_idx)
+    out = original(cache, req, *args, **kwargs)
+    shared = req.kv.cache_protected_len if req.kv.holds_kv else kwargs.get("up_to", 0)
+    if shared:
+        _guard.on_share(_scheduler.req_to_token_pool.req_to_token[row, :shared])
+    return out
 
 
 # -- ReqToTokenPool.alloc_rows (AFTER) ---------------------------------------------------------------------

@@ -1,0 +1,58 @@
+"""Is the guard running inside an in-process ``sglang.Engine``'s schedulers? (``kvguard.install``)
+
+SGLang starts its schedulers as separate processes while ``sglang.Engine(...)`` is constructed;
+kvguard loads into each of them through SGLang's plugin entry point and reads its configuration
+from the environment those processes inherited. Nothing can be installed into them afterwards, so
+``install`` checks instead: each scheduler reports its guard in the start-up handshake
+(``kvguard.patches.guard_status``) and ``install`` reads those reports in the parent.
+"""
+
+from __future__ import annotations
+
+import os
+
+from kvguard.config import GuardConfig
+
+STATUS_KEY = "kvguard"  # the key kvguard.patches.guard_status adds to each scheduler's handshake
+
+
+class GuardNotActiveError(RuntimeError):
+    """The engine's scheduler processes do not run the guard as asked."""
+
+
+def scheduler_statuses(engine) -> list[dict | None]:
+    """One guard report per scheduler process of ``engine`` (None: that scheduler has no guard)."""
+    init = getattr(engine, "_scheduler_init_result", None)  # every rank's handshake (SGLang 0.5.23)
+    infos = getattr(init, "scheduler_infos", None)
+    if infos is None:
+        infos = [engine.get_server_info()]  # public, rank 0 only
+    return [info.get(STATUS_KEY) if isinstance(info, dict) else None for info in infos]
+
+
+def install(engine, config: GuardConfig | None = None) -> list[dict]:
+    """Check that every scheduler of ``engine`` runs the guard (with ``config``'s settings, if
+    given) and return their reports. Raises :class:`GuardNotActiveError` otherwise: the guard
+    must be configured in the environment *before* the Engine is created."""
+    statuses = scheduler_statuses(engine)
+    missing = [rank for rank, s in enumerate(statuses) if not s or not s.get("active")]
+    if missing:
+        env = {k: v for k, v in os.environ.items() if k.startswith("KVGUARD_") or k == "SGLANG_PLUGINS"}
+        raise GuardNotActiveError(
+            f"kvguard is not running in {len(missing)} of {len(statuses)} scheduler process(es) of "
+            f"this sglang.Engine (environment now: {env or 'no KVGUARD_* set'}). The schedulers "
+            "were started with the Engine and read the guard configuration from the environment "
+            "then: set KVGUARD_MODE=tags|sampled|paranoid (os.environ.update(GuardConfig(...)"
+            ".to_env())) before creating the Engine, keep 'kvguard' in SGLANG_PLUGINS if you set "
+            "it, and check the scheduler log for a kvguard plugin error."
+        )
+    if config is not None:
+        want = {"mode": config.mode.value, "sweep_tokens_per_step": config.sweep_tokens_per_step,
+                "tenant_isolation": config.tenant_isolation}
+        for rank, s in enumerate(statuses):
+            got = {k: s.get(k) for k in want}
+            if got != want:
+                raise GuardNotActiveError(
+                    f"scheduler {rank} (pid {s.get('pid')}) runs the guard with {got}, asked for "
+                    f"{want}: set {config.to_env()} in the environment before creating the Engine"
+                )
+    return statuses

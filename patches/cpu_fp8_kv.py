@@ -1,0 +1,178 @@
+"""FP8 (e4m3) KV cache on CPU without Intel AMX, for SGLang's ``torch_native`` attention backend.
+
+What SGLang 0.5.23 already does, and what this file adds (hook functions named in ``targets.py``):
+
+* Pool: with ``--kv-cache-dtype fp8_e4m3`` on CPU the configurator builds an ``MHATokenToKVPool``
+  whose quant method is SGLang's own ``CPUFP8KVCacheMethod``: per-layer ``float8_e4m3fn`` K/V
+  buffers (1 byte per element, no scale buffers), ``quantize_and_store`` = ``(k / k_scale).to(fp8)``.
+  It refuses to do so without AMX and the ``intel_amx`` backend. ``around_configure`` lifts that
+  one refusal when every configured attention backend is ``torch_native``; nothing else changes.
+* Read: ``torch_native`` gathers each request's K/V rows from the pool and casts them to the query
+  dtype before SDPA (``per_req_key.to(per_req_query.dtype)``). With scale 1.0 that cast *is* the
+  dequantization, so nothing is patched on the read path.
+* Scales: SGLang's torch_native backend never passes the layer's ``k_scale``/``v_scale`` to the
+  pool and never multiplies them back on read. Where a model carries per-layer KV scales
+  (an FP8 checkpoint's ``k_scale``/``v_scale``, or ``--quantization-param-path``), ``supply_scales``
+  hands them to the write and ``around_attention`` dequantizes on read by folding them into the
+  attention: softmax(q . (s_k k)^T * c) (s_v v) = s_v * softmax(q . k^T * (s_k c)) v, i.e. the
+  softmax scale is multiplied by s_k and the output by s_v (per-tensor scalars, exact algebra,
+  no extra pass over the KV). Without model scales every scale is 1.0 and both hooks pass through.
+
+Every hook is a no-op unless this file itself lifted the gate for the pool in question: GPU pools,
+non-FP8 pools and SGLang's own AMX route are left exactly as SGLang made them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import weakref
+
+import structlog
+import torch
+
+log = structlog.get_logger("kvguard")
+
+_CPU_FP8_METHOD = "cpu_fp8_e4m3"  # SGLang's name for CPUFP8KVCacheMethod
+_fp8_pools: weakref.WeakSet = weakref.WeakSet()  # pools built through around_configure
+
+
+class FP8KVConfigError(ValueError):
+    """FP8 KV cache requested in a CPU configuration this file cannot serve."""
+
+
+def is_fp8_torch_native_pool(pool) -> bool:
+    return pool in _fp8_pools
+
+
+# -- KVCacheConfigurator.configure (AROUND) ---------------------------------------------------------------
+def around_configure(original, configurator, *args, **kwargs):
+    if not _wants_torch_native_fp8(configurator):
+        return original(configurator, *args, **kwargs)
+    from sglang.srt.mem_cache import kv_cache_configurator as kvc
+
+    with _amx_gate_lifted(kvc):
+        result = original(configurator, *args, **kwargs)
+    pool = result.token_to_kv_pool
+    k_buf = getattr(pool, "k_buffer", None)
+    method = getattr(getattr(pool, "quant_method", None), "name", None)
+    if method != _CPU_FP8_METHOD or not k_buf or k_buf[0].dtype != torch.float8_e4m3fn:
+        raise FP8KVConfigError(
+            f"kvguard expected SGLang to build a {_CPU_FP8_METHOD} MHA pool with float8_e4m3fn "
+            f"buffers, got {type(pool).__name__} (method {method!r}); see patches/targets.py"
+        )
+    _fp8_pools.add(pool)
+    log.info("kvguard_cpu_fp8_kv", layers=len(k_buf), slots=k_buf[0].shape[0],
+             bytes_per_token=sum(b[0].numel() * b.element_size() for b in k_buf + pool.v_buffer))
+    return result
+
+
+def _wants_torch_native_fp8(configurator) -> bool:
+    from sglang.srt.platforms import current_platform
+
+    if not current_platform.is_cpu() or configurator.kv_cache_dtype != torch.float8_e4m3fn:
+        return False
+    from sglang.srt.runtime_context import attention_backends
+    from sglang.srt.utils.common import cpu_has_amx_support
+
+    if cpu_has_amx_support():
+        return False  # SGLang's own intel_amx route
+    backends = set(attention_backends()) - {None}
+    if backends != {"torch_native"}:
+        raise FP8KVConfigError(
+            "FP8 KV cache on a CPU without AMX is served by kvguard through the torch_native "
+            f"attention backend only; configured backends: {sorted(backends)}. "
+            "Pass --attention-backend torch_native."
+        )
+    if configurator.use_mla_backend:
+        raise FP8KVConfigError("FP8 KV cache on CPU supports MHA models only (this one is MLA).")
+    if not configurator.spec_algorithm.is_none():
+        raise FP8KVConfigError("FP8 KV cache on CPU without AMX: speculative decoding is not supported.")
+    return True
+
+
+@contextlib.contextmanager
+def _amx_gate_lifted(kvc):
+    """Answer configure()'s AMX gate (its first ``cpu_has_amx_support()`` and the
+    ``attention_backends()`` call right after it) as if AMX were present, once each; every
+    later call in the configurator gets the real answer. Both rebindings are undone on exit."""
+    real_amx, real_backends = kvc.cpu_has_amx_support, kvc.attention_backends
+    pending = {"amx", "backends"}
+
+    def amx_once():
+        if "amx" in pending:
+            pending.discard("amx")
+            return True
+        return real_amx()
+
+    def backends_once():
+        if "backends" in pending and "amx" not in pending:
+            pending.discard("backends")
+            return ("intel_amx", "intel_amx")
+        return real_backends()
+
+    kvc.cpu_has_amx_support, kvc.attention_backends = amx_once, backends_once
+    try:
+        yield
+    finally:
+        kvc.cpu_has_amx_support, kvc.attention_backends = real_amx, real_backends
+    if pending:
+        raise FP8KVConfigError(
+            "SGLang's CPU FP8 KV gate in KVCacheConfigurator.configure changed shape "
+            f"(not consulted: {sorted(pending)}); update patches/cpu_fp8_kv.py"
+        )
+
+
+# -- per-layer scales ----------------------------------------------------------------------------------
+def layer_kv_scales(layer) -> tuple[float, float]:
+    """(k_scale, v_scale) SGLang loaded for this attention layer; 1.0 where it has none."""
+    return _scale(layer, "k"), _scale(layer, "v")
+
+
+def _scale(layer, kind: str) -> float:
+    for name in (f"{kind}_scale_float", f"{kind}_scale"):
+        value = getattr(layer, name, None)
+        if value is None:
+            continue
+        if isinstance(value, torch.Tensor):
+            if value.numel() != 1:
+                raise FP8KVConfigError(
+                    f"layer {layer.layer_id}: {name} has {value.numel()} elements; "
+                    "FP8 KV on CPU supports per-tensor (per-layer) scales only"
+                )
+            value = float(value)
+        value = float(value)
+        if value <= 0.0:  # SGLang's "not loaded" placeholder (-1) before post-load processing
+            continue
+        if not math.isfinite(value):
+            raise FP8KVConfigError(f"layer {layer.layer_id}: {name}={value} is not finite")
+        return value
+    return 1.0
+
+
+# -- MHATokenToKVPool.set_kv_buffer (BEFORE) --------------------------------------------------------------
+def supply_scales(pool, layer=None, *args, **kwargs):
+    if layer is None or pool not in _fp8_pools or kwargs.get("k_scale") is not None or len(args) > 3:
+        return None  # not ours, or the caller already passes scales
+    k_scale, v_scale = layer_kv_scales(layer)
+    if k_scale == 1.0 and v_scale == 1.0:
+        return None
+    kwargs.update(k_scale=k_scale, v_scale=v_scale)
+    return (pool, layer, *args), kwargs
+
+
+# -- TorchNativeAttnBackend.forward_extend / forward_decode (AROUND) ----------------------------------------
+def around_attention(original, backend, q, k, v, layer, forward_batch, *args, **kwargs):
+    if backend.token_to_kv_pool not in _fp8_pools:
+        return original(backend, q, k, v, layer, forward_batch, *args, **kwargs)
+    k_scale, v_scale = layer_kv_scales(layer)
+    if k_scale == 1.0 and v_scale == 1.0:
+        return original(backend, q, k, v, layer, forward_batch, *args, **kwargs)
+    softmax_scale = layer.scaling
+    default = layer.qk_head_dim ** -0.5 if softmax_scale is None else softmax_scale
+    layer.scaling = default * k_scale  # read as (s_k * k): fold s_k into the softmax scale
+    try:
+        out = original(backend, q, k, v, layer, forward_batch, *args, **kwargs)
+    finally:
+        layer.scaling = softmax_scale
+    return out.mul_(v_scale) if v_scale != 1.0 else out
