@@ -1,0 +1,250 @@
+"""``kvguard-serve``: SGLang's HTTP server (native ``/generate``, OpenAI ``/v1/...``, ``/metrics``)
+with the guard loaded into every scheduler process.
+
+Every SGLang server argument passes through unchanged; kvguard adds its own flags (``--kvguard-*``,
+``--no-fp8-kv``, ``--log-format``) and defaults that the user did not set: the embedded default
+model, ``--enable-metrics``, and on a machine without a GPU ``--device cpu --attention-backend
+torch_native``, CUDA graphs off and no warm-up request. Bad input (model path, port, options,
+guard settings) is reported in one line before SGLang starts.
+
+The guard itself is configured through the environment (``KVGUARD_*``, see ``kvguard.config``):
+the launcher validates it here and exports it, and SGLang's spawned scheduler processes inherit it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import atexit
+import os
+import shutil
+import sys
+import tempfile
+from importlib.util import find_spec
+from pathlib import Path
+
+from kvguard.config import ConfigError, GuardConfig, Mode
+from kvguard.serve import logconfig
+from kvguard.serve.preflight import LaunchError, check_listen_address, check_model_path
+
+PROG = "kvguard-serve"
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse that reports a usage error as one line instead of printing SGLang's 500-flag usage."""
+
+    def error(self, message):
+        raise LaunchError(message)
+
+
+def kvguard_parser() -> argparse.ArgumentParser:
+    p = _Parser(prog=PROG, add_help=False, allow_abbrev=False)
+    g = p.add_argument_group("kvguard")
+    g.add_argument("--kvguard-mode", choices=[m.value for m in Mode],
+                   help="guard mode (env KVGUARD_MODE; default sampled)")
+    g.add_argument("--kvguard-sweep-tokens-per-step", type=int, metavar="N",
+                   help="resting KV tokens re-hashed per step in sampled mode (env KVGUARD_SWEEP_TOKENS_PER_STEP)")
+    g.add_argument("--kvguard-tenant-isolation", action=argparse.BooleanOptionalAction, default=None,
+                   help="bind a request's tenant into its prefix chain (env KVGUARD_TENANT_ISOLATION)")
+    g.add_argument("--no-fp8-kv", action="store_true",
+                   help="keep SGLang's KV cache dtype instead of kvguard's FP8 (fp8_e4m3) default")
+    g.add_argument("--log-format", choices=logconfig.FORMATS,
+                   default=os.environ.get(logconfig.ENV_FORMAT) or "console",
+                   help="kvguard's structured log lines: console or json (env KVGUARD_LOG_FORMAT)")
+    return p
+
+
+def fp8_kv_supported() -> bool:
+    """FP8 KV is kvguard's default only where kvguard's own FP8 KV support is installed."""
+    return find_spec("kvguard.patches.cpu_fp8_kv") is not None
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        server_args = prepare(argv)
+    except LaunchError as e:
+        print(f"{PROG}: error: {e}", file=sys.stderr)
+        return 2
+    if server_args is None:  # --help
+        return 0
+    return serve(server_args)
+
+
+def prepare(argv: list[str]):
+    """Validate everything, set the environment, and return SGLang's ``ServerArgs`` (None: help shown)."""
+    kv, rest = kvguard_parser().parse_known_args(argv)
+    if {"-h", "--help"} & set(rest):
+        _set_platform_env(_wanted_device(rest))
+        _print_help()
+        return None
+    try:
+        config = GuardConfig.from_env(
+            mode=kv.kvguard_mode,
+            sweep_tokens_per_step=kv.kvguard_sweep_tokens_per_step,
+            tenant_isolation=kv.kvguard_tenant_isolation,
+        )
+    except ConfigError as e:
+        raise LaunchError(str(e)) from None
+
+    _precheck(rest)  # the common mistakes answer in a second, before SGLang (and torch) import
+    device = _wanted_device(rest)
+    _set_platform_env(device)  # before SGLang is imported: it reads these at import time
+    given, defaults = _parse_sglang_args(rest)
+
+    extra: list[str] = []
+    model_path = given.get("model_path")
+    if model_path is None:
+        model_path = str(_default_model())
+        extra += ["--model-path", model_path]
+    check_model_path(model_path, given.get("load_format", "auto"))
+    check_listen_address(given.get("host", defaults["host"]), given.get("port", defaults["port"]))
+
+    if device == "cpu":
+        extra += _unset(given, "device", ["--device", "cpu"])
+        extra += _unset(given, "attention_backend", ["--attention-backend", "torch_native"])
+        if not {"disable_cuda_graph", "cuda_graph_config", "cuda_graph_backend_decode",
+                "cuda_graph_backend_prefill"} & given.keys():
+            extra += ["--cuda-graph-backend-decode", "disabled", "--cuda-graph-backend-prefill", "disabled"]
+        extra += _unset(given, "skip_server_warmup", ["--skip-server-warmup"])
+    extra += _unset(given, "enable_metrics", ["--enable-metrics"])
+    # ---- FP8 KV default: the serving stack stores KV in fp8_e4m3 unless the user chose a dtype
+    # ---- or passed --no-fp8-kv. Only where kvguard's FP8 KV support is installed.
+    if not kv.no_fp8_kv and fp8_kv_supported():
+        extra += _unset(given, "kv_cache_dtype", ["--kv-cache-dtype", "fp8_e4m3"])
+
+    log_level = given.get("log_level") or defaults["log_level"] or "info"
+    os.environ.update(config.to_env())  # spawned schedulers read the guard config from here
+    logconfig.export(kv.log_format, log_level)
+    logconfig.configure(kv.log_format, log_level)
+
+    from sglang.srt.server_args import prepare_server_args
+
+    try:
+        server_args = prepare_server_args(rest + extra)
+    except SystemExit as e:  # argparse inside SGLang; the same argv already parsed cleanly here
+        raise LaunchError(f"SGLang rejected the arguments (exit {e.code})") from None
+    except Exception as e:  # ServerArgs validation (ValueError, AssertionError, ...)
+        msg = str(e).strip().splitlines()
+        raise LaunchError(msg[0] if msg else type(e).__name__) from None
+    _log().info("kvguard_serve_starting", model_path=model_path, device=device, guard=config.mode.value,
+                kv_cache_dtype=getattr(server_args, "kv_cache_dtype", None))
+    return server_args
+
+
+def serve(server_args) -> int:
+    """Run SGLang's HTTP server in this process until it is stopped (SIGINT / SIGTERM)."""
+    from sglang.launch_server import run_server
+    from sglang.srt.plugins import load_plugins
+    from sglang.srt.utils import kill_process_tree
+
+    load_plugins()  # as `python -m sglang.launch_server` does: every installed plugin, kvguard too
+    try:
+        run_server(server_args)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        kill_process_tree(os.getpid(), include_parent=False)
+    _log().info("kvguard_serve_stopped")
+    return 0
+
+
+# -- helpers ------------------------------------------------------------------------------------------
+def _precheck(argv: list[str]) -> None:
+    """Model path and listen address as given literally on the command line (SGLang's defaults
+    otherwise); :func:`prepare` checks them again once SGLang parsed everything."""
+    p = _Parser(prog=PROG, add_help=False, allow_abbrev=False)
+    p.add_argument("--model-path", "--model")
+    p.add_argument("--load-format", default="auto")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=30000)
+    args, _ = p.parse_known_args(argv)
+    if args.model_path is not None:
+        check_model_path(args.model_path, args.load_format)
+    check_listen_address(args.host, args.port)
+
+
+def _wanted_device(argv: list[str]) -> str:
+    for i, a in enumerate(argv):
+        if a == "--device" and i + 1 < len(argv):
+            return argv[i + 1]
+        if a.startswith("--device="):
+            return a.split("=", 1)[1]
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _set_platform_env(device: str) -> None:
+    if device == "cpu":
+        os.environ.setdefault("SGLANG_USE_CPU_ENGINE", "1")  # SGLang's supported CPU route
+    os.environ.setdefault("SGLANG_CACHE_DIR", str(_cache_dir() / "sglang"))
+    if "PROMETHEUS_MULTIPROC_DIR" not in os.environ:
+        # Set before anything imports prometheus_client (it picks its value class at import), so
+        # this process's series and the schedulers' kvguard_* series share SGLang's /metrics.
+        path = tempfile.mkdtemp(prefix="kvguard-metrics-")
+        atexit.register(shutil.rmtree, path, ignore_errors=True)
+        os.environ["PROMETHEUS_MULTIPROC_DIR"] = path
+
+
+def _cache_dir() -> Path:
+    root = Path(__file__).resolve().parents[1]  # the checkout, for an editable install
+    if (root / "pyproject.toml").is_file() and os.access(root, os.W_OK):
+        return root / ".cache"
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "kvguard"
+
+
+def _sglang_parser(parents: tuple = ()) -> argparse.ArgumentParser:
+    from sglang.srt.server_args import ServerArgs
+
+    parser = _Parser(prog=PROG, parents=list(parents), description=__doc__.split("\n\n")[0])
+    ServerArgs.add_cli_args(parser)
+    return parser
+
+
+def _parse_sglang_args(argv: list[str]) -> tuple[dict, dict]:
+    """Parse SGLang's arguments as SGLang would. Returns (the options the user gave, defaults)."""
+    parser = _sglang_parser()
+    if "--config" in argv:
+        from sglang.srt.utils.server_args_config_parser import ConfigArgumentMerger
+
+        try:
+            argv = ConfigArgumentMerger(parser).merge_config_with_args(argv)
+        except Exception as e:
+            raise LaunchError(f"--config: {e}") from None
+    defaults = {a.dest: a.default for a in parser._actions}
+    for a in parser._actions:  # what is left in the namespace is exactly what was given
+        a.default, a.required = argparse.SUPPRESS, False
+    return vars(parser.parse_args(argv)), defaults
+
+
+def _unset(given: dict, dest: str, args: list[str]) -> list[str]:
+    return [] if dest in given else args
+
+
+def _default_model() -> Path:
+    try:
+        from kvguard.serve.default_model import ensure_default_model
+    except ImportError:
+        raise LaunchError("no --model-path given and kvguard's default model is not installed") from None
+    try:
+        return ensure_default_model()
+    except FileNotFoundError as e:
+        raise LaunchError(f"no --model-path given and {e}") from None
+
+
+def _print_help() -> None:
+    parser = _sglang_parser(parents=(kvguard_parser(),))
+    for a in parser._actions:
+        if a.dest == "model_path":
+            a.required, a.help = False, "local model directory (default: kvguard's embedded model)"
+    parser.print_help()
+
+
+def _log():
+    import structlog
+
+    return structlog.get_logger("kvguard.serve")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
