@@ -1,0 +1,88 @@
+#!/usr/bin/env bash
+# One command from a fresh clone to a working environment:
+#   scripts/setup.sh            -> .venv with torch, SGLang (CPU path), kvguard (editable), pytest
+# Every package is pinned (requirements/lock.txt is the constraints file of every install).
+# Idempotent: a stamp keyed by a hash of requirements/*.txt, pyproject.toml and this script makes a
+# second run a no-op that takes seconds. Environment: VENV (default .venv), PYTHON (interpreter to
+# build the venv with; default python3.11 if present, else python3 >= 3.10).
+set -euo pipefail
+
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$ROOT"
+VENV="${VENV:-$ROOT/.venv}"
+STAMP="$VENV/.kvguard-setup-stamp"
+
+say() { printf 'setup: %s\n' "$*"; }
+die() { printf 'setup: error: %s\n' "$*" >&2; exit 1; }
+
+inputs_hash() {
+  cat requirements/*.txt pyproject.toml scripts/setup.sh | sha256sum | cut -d' ' -f1
+}
+
+venv_works() {  # interpreter runs, kvguard imports, the sgl_kernel .pth hook is active
+  "$VENV/bin/python" -c 'import sys, kvguard
+sys.exit(0 if any(type(f).__name__ == "SglKernelCompatFinder" for f in sys.meta_path) else 1)' \
+    >/dev/null 2>&1
+}
+
+pick_python() {
+  if [[ -n "${PYTHON:-}" ]]; then
+    echo "$PYTHON"
+    return
+  fi
+  local c
+  for c in python3.11 python3; do
+    if command -v "$c" >/dev/null 2>&1 \
+      && "$c" -c 'import sys; sys.exit(0 if sys.version_info >= (3, 10) else 1)' >/dev/null 2>&1; then
+      echo "$c"
+      return
+    fi
+  done
+  die "no python3.11 and no python3 >= 3.10 on PATH (or set PYTHON=/path/to/python3.x)"
+}
+
+HASH="$(inputs_hash)"
+if [[ -f "$STAMP" && "$(cat "$STAMP")" == "$HASH" ]] && venv_works; then
+  say "$VENV is up to date (stamp $HASH)"
+  exit 0
+fi
+
+start=$SECONDS
+if [[ ! -x "$VENV/bin/python" ]] || ! "$VENV/bin/python" -c '' >/dev/null 2>&1; then
+  PY="$(pick_python)"
+  say "creating $VENV with $PY ($("$PY" -c 'import sys; print(sys.version.split()[0])'))"
+  "$PY" -m venv --clear "$VENV" \
+    || die "'$PY -m venv' failed (on Debian/Ubuntu: apt-get install python3-venv)"
+fi
+pyver="$("$VENV/bin/python" -c 'import sys; print(f"{sys.version_info[0]}.{sys.version_info[1]}")')"
+[[ "$pyver" == "3.11" ]] \
+  || say "warning: requirements/lock.txt was made on Python 3.11; on $pyver some pins may not resolve"
+
+pip_install() {
+  "$VENV/bin/python" -m pip install --disable-pip-version-check --progress-bar off -q "$@"
+}
+LOCK=(-c requirements/lock.txt)
+
+say "build backend (requirements/build.txt)"
+pip_install -r requirements/build.txt "${LOCK[@]}"
+say "torch, SGLang's CPU-path dependencies, test tools (requirements/{torch,sglang-cpu,test}.txt)"
+pip_install -r requirements/torch.txt -r requirements/sglang-cpu.txt -r requirements/test.txt "${LOCK[@]}"
+say "SGLang itself, without its CUDA-only dependency set (requirements/sglang.txt, --no-deps)"
+pip_install --no-deps -r requirements/sglang.txt
+say "kvguard, editable"
+pip_install --no-deps --no-build-isolation -e .
+
+# SGLang's scheduler imports sgl_kernel before any plugin loads; PyPI has no CPU build of it.
+# This hook serves kvguard's compat module as sgl_kernel in every process of the venv, and only
+# when no real sgl_kernel is installed (see patches/sgl_kernel_finder.py).
+purelib="$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
+echo "import kvguard.patches.sgl_kernel_finder as f; f.install()" > "$purelib/kvguard_sgl_kernel_compat.pth"
+
+say "smoke import"
+"$VENV/bin/python" -c 'import kvguard, torch, sglang, structlog, prometheus_client, pytest
+import kvguard.serve.cli
+print("setup: torch", torch.__version__, "| sglang", sglang.__version__)'
+venv_works || die "the sgl_kernel .pth hook is not active in $VENV"
+
+echo "$HASH" > "$STAMP"
+say "done in $((SECONDS - start)) s: $VENV"
