@@ -1,0 +1,190 @@
+"""FP8 (e4m3) KV cache on CPU: patches/cpu_fp8_kv.py.
+
+* In process: SGLang's real FP8 pool and torch_native backend, with the QUANT_TARGETS hooks
+  applied the way SGLang's HookRegistry applies them; stored bytes and attention outputs are
+  checked against an independent dequantize-then-attend reference, with and without scales.
+* End to end: an SGLang engine with ``kv_cache_dtype="fp8_e4m3"`` and the guard in paranoid mode
+  serves a small trained model: no request aborted (no integrity violation), greedy output close
+  to the BF16 reference.
+"""
+
+from __future__ import annotations
+
+import os
+from types import SimpleNamespace
+
+import pytest
+
+torch = pytest.importorskip("torch")
+os.environ.setdefault("SGLANG_USE_CPU_ENGINE", "1")
+pytest.importorskip("sglang")
+
+from kvguard.patches import cpu_fp8_kv  # noqa: E402
+from kvguard.patches.targets import QUANT_TARGETS  # noqa: E402
+
+from quant_helpers import agreement, hf_greedy, prompt_ids, sglang_engine, sglang_greedy, tiny_trained_model  # noqa: E402,I001
+
+HEADS, KV_HEADS, DIM = 4, 2, 16
+
+
+@pytest.fixture(scope="module")
+def sgl():
+    import pkgutil
+
+    from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
+    from sglang.srt.layers.quantization.fp4_kv_cache_quant_method import CPUFP8KVCacheMethod
+    from sglang.srt.layers.radix_attention import AttentionType
+    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
+    from sglang.srt.plugins.hook_registry import HookType, _wrap_fn
+
+    return SimpleNamespace(**locals())
+
+
+@pytest.fixture
+def hooked(sgl, monkeypatch):
+    """Apply this file's QUANT_TARGETS rows exactly as HookRegistry would (its own wrapper)."""
+    for target, hook_type, hook_path, _why in QUANT_TARGETS:
+        if not hook_path.startswith("cpu_fp8_kv.") or "configure" in target:
+            continue
+        owner_path, attr = target.rsplit(".", 1)
+        owner = sgl.pkgutil.resolve_name(owner_path)
+        hook = getattr(cpu_fp8_kv, hook_path.split(".", 1)[1])
+        monkeypatch.setattr(owner, attr, sgl._wrap_fn(getattr(owner, attr), hook, sgl.HookType[hook_type]))
+
+
+def _setup(sgl, n_prefix: int, register: bool = True, k_scale=None, v_scale=None):
+    pool = sgl.MHATokenToKVPool(size=64, page_size=16, dtype=torch.float8_e4m3fn, head_num=KV_HEADS,
+                                head_dim=DIM, layer_num=1, device="cpu", enable_memory_saver=False,
+                                quant_method=sgl.CPUFP8KVCacheMethod())
+    if register:
+        cpu_fp8_kv._fp8_pools.add(pool)
+    rtt = sgl.ReqToTokenPool(size=4, max_context_len=64, device="cpu", enable_memory_saver=False)
+    backend = sgl.TorchNativeAttnBackend.__new__(sgl.TorchNativeAttnBackend)
+    backend.__dict__.update(forward_metadata=None, device="cpu", req_to_token_pool=rtt,
+                            token_to_kv_pool=pool, use_sliding_window_kv_pool=False,
+                            swa_out_cache_loc=None)
+    layer = SimpleNamespace(tp_q_head_num=HEADS, tp_k_head_num=KV_HEADS, tp_v_head_num=KV_HEADS,
+                            qk_head_dim=DIM, v_head_dim=DIM, head_dim=DIM, layer_id=0,
+                            scaling=DIM ** -0.5, is_cross_attention=False,
+                            attn_type=sgl.AttentionType.DECODER, sliding_window_size=-1,
+                            k_scale_float=k_scale, v_scale_float=v_scale)
+    slots = torch.arange(16, 16 + n_prefix + 1)  # prefix tokens, then one decode token
+    rtt.req_to_token[0, : n_prefix + 1] = slots
+    return pool, backend, layer, slots
+
+
+def _reference(q, k_deq, v_deq, scaling):
+    """Causal attention over dequantized K/V in float32 (GQA by repeating KV heads)."""
+    rep = HEADS // KV_HEADS
+    qh = q.float().view(q.shape[0], HEADS, DIM).transpose(0, 1)
+    kh = k_deq.float().repeat_interleave(rep, dim=1).transpose(0, 1)
+    vh = v_deq.float().repeat_interleave(rep, dim=1).transpose(0, 1)
+    s = qh @ kh.transpose(1, 2) * scaling
+    n_q, n_k = q.shape[0], k_deq.shape[0]
+    mask = torch.arange(n_k)[None, :] > torch.arange(n_k - n_q, n_k)[:, None]
+    s = s.masked_fill(mask, float("-inf"))
+    return (s.softmax(-1) @ vh).transpose(0, 1).reshape(n_q, HEADS * DIM)
+
+
+def _run(sgl, backend, layer, slots, q, k, v, n):
+    """Prefill n tokens (extend), then decode one more; returns both outputs."""
+    fb = SimpleNamespace(out_cache_loc=slots[:n], req_pool_indices=torch.tensor([0]),
+                         seq_lens=torch.tensor([n]), extend_prefix_lens=torch.tensor([0]),
+                         extend_seq_lens=torch.tensor([n]), encoder_lens=None)
+    o_ext = backend.forward_extend(q[:n], k[:n], v[:n], layer, fb)
+    fb = SimpleNamespace(out_cache_loc=slots[n:n + 1], req_pool_indices=torch.tensor([0]),
+                         seq_lens=torch.tensor([n + 1]), encoder_lens=None)
+    o_dec = backend.forward_decode(q[n:n + 1], k[n:n + 1], v[n:n + 1], layer, fb)
+    return o_ext, o_dec
+
+
+def _qkv(n, magnitude=1.0, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(n, HEADS * DIM, generator=g).to(torch.bfloat16)
+    k = (torch.randn(n, KV_HEADS, DIM, generator=g) * magnitude).to(torch.bfloat16)
+    v = (torch.randn(n, KV_HEADS, DIM, generator=g) * magnitude).to(torch.bfloat16)
+    return q, k, v
+
+
+def _check(o_ext, o_dec, q, k_deq, v_deq, n, scaling):
+    want = _reference(q[:n], k_deq[:n], v_deq[:n], scaling)
+    torch.testing.assert_close(o_ext.float(), want, atol=2e-2, rtol=2e-2)
+    want_dec = _reference(q[n:n + 1], k_deq, v_deq, scaling)
+    torch.testing.assert_close(o_dec.float(), want_dec, atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("ks,vs", [(None, None), (0.25, 0.125), (1.0, 4.0)])
+def test_fp8_pool_stores_fp8_bytes_and_dequantizes_on_read(sgl, hooked, ks, vs):
+    n = 9
+    pool, backend, layer, slots = _setup(sgl, n, k_scale=ks, v_scale=vs)
+    q, k, v = _qkv(n + 1, magnitude=3.0)
+    o_ext, o_dec = _run(sgl, backend, layer, slots, q, k, v, n)
+    sk, sv = ks or 1.0, vs or 1.0
+    stored_k, stored_v = pool.k_buffer[0][slots], pool.v_buffer[0][slots]
+    assert stored_k.dtype == torch.float8_e4m3fn and stored_k.element_size() == 1
+    assert torch.equal(stored_k.view(torch.uint8), (k / sk).to(torch.float8_e4m3fn).view(torch.uint8))
+    assert torch.equal(stored_v.view(torch.uint8), (v / sv).to(torch.float8_e4m3fn).view(torch.uint8))
+    _check(o_ext, o_dec, q, stored_k.float() * sk, stored_v.float() * sv, n, layer.scaling)
+
+
+def test_scales_matter_for_large_activations(sgl, hooked):
+    """K/V far beyond e4m3's 448: unscaled they saturate; with amax/448 scales they survive."""
+    n = 9
+    q, k, v = _qkv(n + 1, magnitude=2000.0, seed=1)
+    ks, vs = float(k.abs().max()) / 448, float(v.abs().max()) / 448
+    _pool, backend, layer, slots = _setup(sgl, n, k_scale=ks, v_scale=vs)
+    o_ext, o_dec = _run(sgl, backend, layer, slots, q * 0.001, k, v, n)
+    exact = _reference(q[:n] * 0.001, k[:n].float(), v[:n].float(), layer.scaling)
+    rel = (o_ext.float() - exact).norm() / exact.norm()
+    assert float(rel) < 0.1
+    _pool, backend, layer, slots = _setup(sgl, n)  # no scales: saturated at +-448
+    o_sat, _ = _run(sgl, backend, layer, slots, q * 0.001, k, v, n)
+    assert float((o_sat.float() - exact).norm() / exact.norm()) > 5 * float(rel)
+
+
+def test_hooks_leave_other_pools_alone(sgl, hooked):
+    n = 5
+    pool, backend, layer, slots = _setup(sgl, n, register=False, k_scale=0.5, v_scale=0.5)
+    q, k, v = _qkv(n + 1)
+    o_ext, _ = _run(sgl, backend, layer, slots, q, k, v, n)
+    # SGLang's own behaviour: no scales passed, plain cast on write and read
+    assert torch.equal(pool.k_buffer[0][slots].view(torch.uint8),
+                       k.to(torch.float8_e4m3fn).view(torch.uint8))
+    assert cpu_fp8_kv.supply_scales(pool, layer, None, k, v) is None
+
+
+def test_layer_kv_scales_sources():
+    f = cpu_fp8_kv.layer_kv_scales
+    assert f(SimpleNamespace(layer_id=0)) == (1.0, 1.0)
+    assert f(SimpleNamespace(layer_id=0, k_scale_float=0.5, v_scale_float=2.0)) == (0.5, 2.0)
+    # --quantization-param-path sets floats on k_scale/v_scale; FP8 checkpoints load 0-d tensors
+    assert f(SimpleNamespace(layer_id=0, k_scale=0.25, v_scale=torch.tensor(0.75))) == (0.25, 0.75)
+    # SGLang's "not loaded" placeholder (-1) means no scale
+    assert f(SimpleNamespace(layer_id=0, k_scale=torch.tensor(-1.0), v_scale=None)) == (1.0, 1.0)
+    with pytest.raises(cpu_fp8_kv.FP8KVConfigError, match="per-tensor"):
+        f(SimpleNamespace(layer_id=3, k_scale=torch.ones(2), v_scale=None))
+    with pytest.raises(cpu_fp8_kv.FP8KVConfigError, match="not finite"):
+        f(SimpleNamespace(layer_id=3, k_scale_float=float("inf")))
+
+
+# ------------------------------------------------------------------------------------ end to end
+N_NEW = 16
+
+
+@pytest.fixture(scope="module")
+def model_dir():
+    return tiny_trained_model()
+
+
+def test_engine_fp8_kv_paranoid_guard_close_to_bf16(model_dir):
+    ids = prompt_ids(model_dir)
+    with sglang_engine(model_dir, guard_mode="paranoid", kv_cache_dtype="fp8_e4m3") as engine:
+        outs = sglang_greedy(engine, ids, N_NEW)
+        again = sglang_greedy(engine, ids[:2], N_NEW)  # prefix-cache hits read FP8 KV back
+    reasons = [o["meta_info"]["finish_reason"] for o in outs + again]
+    assert all(r["type"] == "length" for r in reasons), reasons  # nothing aborted by the guard
+    got = [o["output_ids"] for o in outs]
+    assert [o["output_ids"] for o in again] == got[:2]
+    want = hf_greedy(model_dir, ids, N_NEW)
+    assert agreement(got, want) >= 0.8, (got, want)
+    assert sum(g[:4] == w[:4] for g, w in zip(got, want)) >= len(ids) - 1
