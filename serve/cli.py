@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import atexit
+import logging
 import os
 import shutil
 import sys
@@ -138,6 +139,7 @@ def serve(server_args) -> int:
     from sglang.srt.utils import kill_process_tree
 
     load_plugins()  # as `python -m sglang.launch_server` does: every installed plugin, kvguard too
+    logging.getLogger("sglang.srt.entrypoints.http_server").addFilter(_freeze_gc_race)
     try:
         run_server(server_args)
     except KeyboardInterrupt:
@@ -149,6 +151,15 @@ def serve(server_args) -> int:
 
 
 # -- helpers ------------------------------------------------------------------------------------------
+def _freeze_gc_race(record: logging.LogRecord) -> bool:
+    """With --skip-server-warmup, SGLang 0.5.23 posts /freeze_gc before uvicorn listens and logs
+    the refused connection with three chained tracebacks. Say it in one line instead."""
+    if record.getMessage() == "post-warmup freeze_gc failed" and record.exc_info:
+        record.msg, record.args, record.exc_info, record.exc_text = (
+            "post-warmup freeze_gc skipped: the HTTP server was not listening yet", (), None, None)
+    return True
+
+
 def _precheck(argv: list[str]) -> None:
     """Model path and listen address as given literally on the command line (SGLang's defaults
     otherwise); :func:`prepare` checks them again once SGLang parsed everything."""

@@ -1,0 +1,203 @@
+"""kvguard-serve end to end: one real server (subprocess, free port, page size 16, small KV pool)
+answering /generate, /v1/completions and /metrics with the guard running in SGLang's scheduler
+process; then a clean SIGTERM shutdown. Bad input must end in one line, before SGLang starts."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+import requests
+
+from tiny_model import serving_model, tiny_random_llama
+
+START_TIMEOUT_S = 240  # ~40 s on an idle 2-core machine; generous for a loaded one
+
+
+def kvguard_serve() -> list[str]:
+    script = Path(sys.executable).with_name("kvguard-serve")
+    return [str(script)] if script.exists() else [sys.executable, "-m", "kvguard.serve.cli"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def clean_env() -> dict:
+    drop = ("KVGUARD_", "PROMETHEUS_MULTIPROC_DIR", "SGLANG_PLUGINS")
+    return {k: v for k, v in os.environ.items() if not k.startswith(drop)}
+
+
+class Server:
+    def __init__(self, proc: subprocess.Popen, port: int, log: Path, model: Path, is_default: bool):
+        self.proc, self.port, self.log, self.model, self.is_default = proc, port, log, model, is_default
+        self.url = f"http://127.0.0.1:{port}"
+
+    def events(self) -> list[dict]:
+        """kvguard's structured log lines (--log-format json) from every process of the server."""
+        out = []
+        for line in self.log.read_text(errors="replace").splitlines():
+            if line.startswith("{"):
+                try:
+                    out.append(json.loads(line))
+                except ValueError:
+                    pass
+        return out
+
+    def generate(self, text: str, n: int) -> dict:
+        r = requests.post(f"{self.url}/generate", timeout=60, json={
+            "text": text, "sampling_params": {"max_new_tokens": n, "temperature": 0, "ignore_eos": True}})
+        assert r.status_code == 200, r.text
+        return r.json()
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    model, is_default = serving_model()
+    port = free_port()
+    log = tmp_path_factory.mktemp("serve") / "server.log"
+    args = kvguard_serve() + ["--host", "127.0.0.1", "--port", str(port), "--page-size", "16",
+                              "--max-total-tokens", "1024", "--kvguard-mode", "sampled", "--log-format", "json"]
+    if not is_default:  # the default model is what kvguard-serve starts without --model-path
+        args += ["--model-path", str(model)]
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, env=clean_env())
+    srv = Server(proc, port, log, model, is_default)
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while True:
+        if proc.poll() is not None:
+            pytest.fail(f"kvguard-serve exited with {proc.returncode} during start-up:\n{log.read_text()[-4000:]}")
+        try:
+            if requests.get(f"{srv.url}/health", timeout=5).status_code == 200:
+                break
+        except requests.ConnectionError:
+            pass
+        if time.monotonic() > deadline:
+            proc.kill()
+            pytest.fail(f"kvguard-serve not healthy after {START_TIMEOUT_S} s:\n{log.read_text()[-4000:]}")
+        time.sleep(1)
+    yield srv
+    if proc.poll() is None:  # test_sigterm_stops_everything did not run or failed
+        for p in psutil.Process(proc.pid).children(recursive=True):
+            p.kill()
+        proc.kill()
+        proc.wait(30)
+
+
+def test_generate(server):
+    out = server.generate("def add(a, b):", 8)
+    assert isinstance(out["text"], str)
+    assert out["meta_info"]["completion_tokens"] == 8
+
+
+def test_openai_completions(server):
+    r = requests.post(f"{server.url}/v1/completions", timeout=60, json={
+        "model": "default", "prompt": "import os\n", "max_tokens": 5, "temperature": 0, "ignore_eos": True})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["object"] == "text_completion"
+    assert isinstance(body["choices"][0]["text"], str)
+    assert body["usage"]["completion_tokens"] == 5
+
+
+def test_metrics_include_guard_and_sglang_series(server):
+    server.generate("class A:\n    def ", 4)
+    text = requests.get(f"{server.url}/metrics", timeout=30).text
+    values = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, _, value = line.rpartition(" ")
+            values[name] = float(value)
+    assert values.get("kvguard_steps_checked_total", 0) > 0, text[:2000]
+    assert values.get("kvguard_tokens_checked_total", 0) > 0
+    assert "kvguard_requests_aborted_total" in values
+    # the launcher's own (tokenizer-side) series share the same multiprocess registry
+    assert any(name.startswith("sglang:prompt_tokens_total") for name in values), sorted(values)[:50]
+
+
+def test_guard_runs_in_scheduler_process(server):
+    info = requests.get(f"{server.url}/server_info", timeout=30).json()
+    status = info["kvguard"]  # reported by the scheduler's start-up handshake
+    assert status["active"] and status["mode"] == "sampled" and status["page_size"] == 16
+    pid = status["pid"]
+    assert pid != server.proc.pid
+    scheduler = psutil.Process(pid)
+    assert server.proc.pid in [p.pid for p in scheduler.parents()]
+    assert "scheduler" in " ".join(scheduler.cmdline()) + scheduler.name()
+    events = server.events()
+    attached = [e for e in events if e.get("event") == "kvguard_attached"]
+    assert [e["pid"] for e in attached] == [pid], events
+    starting = [e for e in events if e.get("event") == "kvguard_serve_starting"]
+    assert [e["pid"] for e in starting] == [server.proc.pid]
+    if server.is_default:
+        assert Path(info["model_path"]) == server.model
+
+
+def test_sigterm_stops_everything(server):
+    children = psutil.Process(server.proc.pid).children(recursive=True)
+    assert children
+    server.proc.send_signal(signal.SIGTERM)
+    assert server.proc.wait(90) == 0
+    _, alive = psutil.wait_procs(children, timeout=30)
+    assert not alive, [p.pid for p in alive]
+    assert "Traceback" not in server.log.read_text(errors="replace")
+
+
+# -- bad input: one line on stderr, exit 2, SGLang never started ------------------------------------
+def run_cli(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run(kvguard_serve() + list(args), capture_output=True, text=True, timeout=120,
+                          env={**clean_env(), **(env or {})})
+
+
+def assert_one_line_error(proc: subprocess.CompletedProcess, *fragments: str):
+    assert proc.returncode == 2, (proc.returncode, proc.stderr[-2000:])
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1, proc.stderr[-2000:]
+    assert lines[0].startswith("kvguard-serve: error: ")
+    for fragment in fragments:
+        assert fragment in lines[0]
+
+
+def test_missing_model_path(tmp_path):
+    assert_one_line_error(run_cli("--model-path", str(tmp_path / "nope"), "--port", str(free_port())),
+                          "--model-path", "no such model directory")
+
+
+def test_invalid_model_path(tmp_path):
+    (tmp_path / "config.json").write_text("{not json")
+    assert_one_line_error(run_cli("--model-path", str(tmp_path), "--port", str(free_port())),
+                          "config.json")
+
+
+def test_port_in_use():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        proc = run_cli("--model-path", str(tiny_random_llama()), "--port", str(port))
+    assert_one_line_error(proc, str(port), "in use")
+
+
+def test_unknown_option():
+    assert_one_line_error(
+        run_cli("--model-path", str(tiny_random_llama()), "--port", str(free_port()), "--no-such-flag"),
+        "unrecognized arguments: --no-such-flag")
+
+
+@pytest.mark.parametrize("args, env, fragment", [
+    (["--kvguard-sweep-tokens-per-step", "-1"], {}, "sweep_tokens_per_step"),
+    ([], {"KVGUARD_MODE": "bogus"}, "invalid kvguard mode"),
+    (["--kvguard-mode", "bogus"], {}, "--kvguard-mode"),
+])
+def test_invalid_guard_config(args, env, fragment):
+    assert_one_line_error(run_cli("--model-path", str(tiny_random_llama()), *args, env=env), fragment)
