@@ -58,8 +58,9 @@ pyver="$("$VENV/bin/python" -c 'import sys; print(f"{sys.version_info[0]}.{sys.v
 [[ "$pyver" == "3.11" ]] \
   || say "warning: requirements/lock.txt was made on Python 3.11; on $pyver some pins may not resolve"
 
-pip_install() {
-  "$VENV/bin/python" -m pip install --disable-pip-version-check --progress-bar off -q "$@"
+pip_install() {  # this machine's pip config names index folders some packages lack: drop that noise
+  "$VENV/bin/python" -m pip install --disable-pip-version-check --progress-bar off -q "$@" 2>&1 \
+    | { grep -v -E "^WARNING: Location '[^']*' is ignored: it is neither a file nor a directory" || true; }
 }
 LOCK=(-c requirements/lock.txt)
 
