@@ -7,6 +7,10 @@ by ``_init_kernel``: AMX-only (``sgl_kernel.int4_scaled_mm_cpu``). On CUDA, the 
 scheme's ``_init_kernel`` raises ("non-Marlin GPTQ CUDA kernel has been removed"), which is what
 non-Marlin GPUs and ``--quantization gptq`` reach. The hooks here swap in
 ``W4A16LinearKernel`` at exactly that seam; parameter creation and loading stay SGLang's.
+``CPUGPTQConfig.get_quant_method`` also ignores GPTQ's per-module ``dynamic`` overrides (e.g. a
+smaller group size for layers the default one does not divide, as ``serve/quantize.py
+--fallback-group-size`` writes); ``around_cpu_get_quant_method`` routes such configs through
+SGLang's own per-module override helper, as the CUDA GPTQ config does.
 
 ``W4A16LinearKernel`` after loading, per layer:
 * CPU, group size 32/64/128/256: repack once for torch's own INT4 CPU GEMM
@@ -117,3 +121,18 @@ def around_init_kernel(original, scheme, quant_config):
             raise
         log.info("kvguard_w4a16_triton", reason="no non-Marlin GPTQ kernel in SGLang")
         return W4A16LinearKernel(quant_config)
+
+
+# -- CPUGPTQConfig.get_quant_method (AROUND): honour GPTQ "dynamic" per-module overrides on CPU -------
+def around_cpu_get_quant_method(original, config, layer, prefix="", *args, **kwargs):
+    if not getattr(config, "dynamic", None):
+        return original(config, layer, prefix, *args, **kwargs)
+    from sglang.srt.layers.linear import LinearBase
+    from sglang.srt.layers.quantization.gptq.gptq import GPTQLinearMethod
+    from sglang.srt.layers.quantization.utils import get_linear_quant_method
+
+    if not isinstance(layer, LinearBase):
+        return original(config, layer, prefix, *args, **kwargs)
+    # a per-module copy of the config with the overrides applied (or an unquantized method for
+    # "-:" rules); the layer's scheme is then built from that copy in create_weights
+    return get_linear_quant_method(config, layer, prefix=prefix, linear_method_cls=GPTQLinearMethod)

@@ -9,7 +9,7 @@ no act-order (desc_act false), groups computed from the error-updated weights wh
 first column is reached (static_groups false). Output: the same (codes, zeros, scales) triple as
 ``kvguard.kernels.w4a16_ref.quantize_rtn``.
 
-``calibrate_and_quantize(model, batches, group_size)`` runs the usual sequential order: within
+``calibrate_and_quantize(model, batches, group_sizes)`` runs the usual sequential order: within
 each decoder layer [q,k,v], [o], [gate,up], [down]; every group sees inputs produced by the
 already-quantized parts of the model (true_sequential). Inputs are captured by re-running the
 model on the calibration batches and stopping at the group (a few dozen small forwards).
@@ -99,9 +99,10 @@ def _hessians(model, modules: list[torch.nn.Module], batches: list[torch.Tensor]
     return state["h"] / max(state["n"], 1)
 
 
-def calibrate_and_quantize(model, batches: list[torch.Tensor], group_size: int,
+def calibrate_and_quantize(model, batches: list[torch.Tensor], group_sizes: dict[str, int],
                            damp: float = 0.01, log=print) -> dict[str, tuple]:
-    """Sequential GPTQ over a float32 HF Llama ``model``. Returns {module name: (codes, zeros,
+    """Sequential GPTQ over a float32 HF Llama ``model``; ``group_sizes`` maps module names
+    (``model.layers.0.mlp.down_proj``) to their group size. Returns {module name: (codes, zeros,
     scales)}; the model's linear weights are replaced by their dequantized values on the way."""
     layers = model.model.layers
     out: dict[str, tuple] = {}
@@ -110,13 +111,14 @@ def calibrate_and_quantize(model, batches: list[torch.Tensor], group_size: int,
             mods = [layer.get_submodule(n) for n in names]
             h = _hessians(model, mods, batches)
             for name, mod in zip(names, mods):
+                full = f"model.layers.{li}.{name}"
+                group_size = group_sizes[full]
                 codes, zeros, scales = gptq_quantize(mod.weight, h, group_size, damp)
                 group = torch.arange(codes.shape[0]) // group_size
                 deq = (codes - zeros[group]).to(torch.float32) * scales[group]  # [K, N]
                 with torch.no_grad():
                     before = mod.weight.detach().to(torch.float64)
                     mod.weight.copy_(deq.t().to(mod.weight.dtype))
-                full = f"model.layers.{li}.{name}"
                 out[full] = (codes, zeros, scales)
                 rel = float((deq.t().double() - before).norm() / before.norm().clamp_min(1e-12))
                 log(f"gptq {full}: K={codes.shape[0]} N={codes.shape[1]} weight rel. err {rel:.4f}")

@@ -86,29 +86,68 @@ def linear_names(cfg: dict) -> list[str]:
     return [f"model.layers.{i}.{lin}" for i in range(cfg["num_hidden_layers"]) for lin in LINEARS]
 
 
-def check_group_size(tensors: dict[str, torch.Tensor], names: list[str], group_size: int) -> None:
-    """Every quantized layer needs group_size | in_features, 8 | in_features, 8 | out_features."""
-    if group_size <= 0 or group_size % PACK:
-        raise QuantizeError(f"--group-size must be a positive multiple of {PACK}, got {group_size} "
-                            "(per-channel quantization, -1, is not supported)")
-    bad, ks = [], set()
+def plan_group_sizes(tensors: dict[str, torch.Tensor], names: list[str], group_size: int,
+                     fallback: int | None = None) -> dict[str, int]:
+    """Group size per quantized layer. Each needs group | in_features, 8 | in_features and
+    8 | out_features. Layers that ``group_size`` does not fit take ``fallback`` if given
+    (recorded as GPTQ ``dynamic`` overrides); otherwise that is an error naming them."""
+    for flag, g in (("--group-size", group_size), ("--fallback-group-size", fallback)):
+        if g is not None and (g <= 0 or g % PACK):
+            raise QuantizeError(f"{flag} must be a positive multiple of {PACK}, got {g} "
+                                "(per-channel quantization, -1, is not supported)")
+    plan, bad, ks = {}, [], set()
     for name in names:
         w = tensors.get(f"{name}.weight")
         if w is None:
             raise QuantizeError(f"checkpoint has no {name}.weight (not a standard Llama layout)")
         n, k = w.shape
         ks.add(k)
-        if k % group_size or n % PACK:
-            bad.append(f"{name} (in_features {k}, out_features {n})")
+        if n % PACK:
+            raise QuantizeError(f"{name}: out_features {n} is not a multiple of {PACK}")
+        if k % group_size == 0:
+            plan[name] = group_size
+        elif fallback is not None and k % fallback == 0:
+            plan[name] = fallback
+        else:
+            bad.append(f"{name} (in_features {k})")
     if bad:
         g = 0
         for k in ks:
             g = math.gcd(g, k)
         valid = [d for d in range(PACK, g + 1, PACK) if g % d == 0]
+        tried = f"group size {group_size}" + (f" (fallback {fallback})" if fallback else "")
         raise QuantizeError(
-            f"group size {group_size} does not divide the in_features of {len(bad)} layer(s): "
+            f"{tried} does not divide the in_features of {len(bad)} layer(s): "
             + "; ".join(bad[:4]) + ("; ..." if len(bad) > 4 else "")
-            + f". Group sizes that fit every layer of this model: {valid or 'none'}")
+            + f". Group sizes that fit every layer of this model: {valid or 'none'}; or keep "
+            "--group-size and pass --fallback-group-size for the layers it does not fit")
+    return plan
+
+
+# SGLang fuses q/k/v and gate/up into one layer (qkv_proj, gate_up_proj); a dynamic override must
+# match the fused name as well as the Hugging Face one. Members of a fused layer share in_features.
+_FUSED = {"self_attn.q_proj": "self_attn.(q_proj|k_proj|v_proj|qkv_proj)",
+          "self_attn.k_proj": "self_attn.(q_proj|k_proj|v_proj|qkv_proj)",
+          "self_attn.v_proj": "self_attn.(q_proj|k_proj|v_proj|qkv_proj)",
+          "mlp.gate_proj": "mlp.(gate_proj|up_proj|gate_up_proj)",
+          "mlp.up_proj": "mlp.(gate_proj|up_proj|gate_up_proj)"}
+
+
+def dynamic_overrides(plan: dict[str, int], group_size: int) -> dict[str, dict]:
+    """GPTQModel-style ``dynamic`` rules ("+:regex" matched against module names, as SGLang and
+    GPTQModel do) for the layers whose group size differs from the default."""
+    rules: dict[tuple[str, int], set[str]] = {}
+    for name, g in plan.items():
+        if g == group_size:
+            continue
+        layer, suffix = name.split(".")[2], name.split(".", 3)[3]
+        module = _FUSED.get(suffix, suffix).replace(".", r"\.")
+        rules.setdefault((module, g), set()).add(layer)
+    out = {}
+    for (module, g), layers in sorted(rules.items()):
+        idx = "(" + "|".join(sorted(layers, key=int)) + ")"
+        out[rf"+:model\.layers\.{idx}\.{module}$"] = {"group_size": g}
+    return out
 
 
 # -- calibration data ---------------------------------------------------------------------------------
@@ -120,6 +159,7 @@ def calibration_batches(model_dir: Path, num_samples: int, seq_len: int,
     from kvguard.serve.default_model.build import list_corpus_files, read_text, split_files
 
     tok = AutoTokenizer.from_pretrained(str(model_dir))
+    tok.model_max_length = 1 << 30  # whole files are tokenized, then cut into windows
     train, _held = split_files(list_corpus_files())
     ids: list[int] = []
     need = num_samples * seq_len
@@ -135,8 +175,8 @@ def calibration_batches(model_dir: Path, num_samples: int, seq_len: int,
     return list(windows.split(batch_size))
 
 
-def gptq_layers(model_dir: Path, cfg: dict, group_size: int, num_samples: int, seq_len: int,
-                damp: float) -> dict[str, tuple]:
+def gptq_layers(model_dir: Path, plan: dict[str, int], num_samples: int, seq_len: int,
+                damp: float, log=print) -> dict[str, tuple]:
     from transformers import AutoModelForCausalLM
 
     from kvguard.serve.gptq import calibrate_and_quantize
@@ -144,7 +184,7 @@ def gptq_layers(model_dir: Path, cfg: dict, group_size: int, num_samples: int, s
     batches = calibration_batches(model_dir, num_samples, seq_len)
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
     model.eval()
-    return calibrate_and_quantize(model, batches, group_size, damp)
+    return calibrate_and_quantize(model, batches, plan, damp, log=log)
 
 
 # -- writing ------------------------------------------------------------------------------------------
@@ -159,18 +199,22 @@ def gptq_tensors(codes, zeros, scales, group_size: int) -> dict[str, torch.Tenso
     }
 
 
-def quantization_config(group_size: int, method: str, damp: float) -> dict:
-    return {
+def quantization_config(group_size: int, method: str, damp: float,
+                        dynamic: dict | None = None) -> dict:
+    qc = {
         "quant_method": "gptq", "bits": 4, "group_size": group_size, "sym": True,
         "desc_act": False, "static_groups": False, "true_sequential": True, "lm_head": False,
         "damp_percent": damp, "checkpoint_format": "gptq",
         "meta": {"quantizer": [f"kvguard-{method}"]},
     }
+    if dynamic:
+        qc["dynamic"] = dynamic
+    return qc
 
 
 def quantize_checkpoint(model: Path, out: Path, group_size: int = 128, method: str = "rtn",
                         num_samples: int = 128, seq_len: int = 256, damp: float = 0.01,
-                        log=print) -> dict:
+                        log=print, fallback_group_size: int | None = None) -> dict:
     """Write the INT4 checkpoint; returns a small report (also saved as quant_report.json)."""
     model, out = Path(model), Path(out)
     if method not in ("rtn", "gptq"):
@@ -180,12 +224,12 @@ def quantize_checkpoint(model: Path, out: Path, group_size: int = 128, method: s
     cfg = read_config(model)
     tensors = read_tensors(model)
     names = linear_names(cfg)
-    check_group_size(tensors, names, group_size)
+    plan = plan_group_sizes(tensors, names, group_size, fallback_group_size)
     t0 = time.time()
     if method == "gptq":
-        solved = gptq_layers(model, cfg, group_size, num_samples, seq_len, damp)
+        solved = gptq_layers(model, plan, num_samples, seq_len, damp, log)
     else:
-        solved = {n: quantize_rtn(tensors[f"{n}.weight"].t().to(torch.float32), group_size)
+        solved = {n: quantize_rtn(tensors[f"{n}.weight"].t().to(torch.float32), plan[n])
                   for n in names}
     result: dict[str, torch.Tensor] = {}
     src_bytes = q_bytes = 0
@@ -193,7 +237,7 @@ def quantize_checkpoint(model: Path, out: Path, group_size: int = 128, method: s
         base = key.rsplit(".", 1)[0]
         if key.endswith(".weight") and base in solved:
             src_bytes += t.numel() * t.element_size()
-            for suffix, qt in gptq_tensors(*solved[base], group_size).items():
+            for suffix, qt in gptq_tensors(*solved[base], plan[base]).items():
                 result[f"{base}.{suffix}"] = qt.contiguous()
                 q_bytes += qt.numel() * qt.element_size()
         else:
@@ -206,11 +250,13 @@ def quantize_checkpoint(model: Path, out: Path, group_size: int = 128, method: s
         if f.is_file() and f.name != "config.json" and not f.name.startswith("model.safetensors") \
                 and f.suffix not in (".bin", ".pt", ".gguf") and f.name != "quant_report.json":
             shutil.copy2(f, out / f.name)
-    cfg["quantization_config"] = quantization_config(group_size, method, damp)
+    dynamic = dynamic_overrides(plan, group_size)
+    cfg["quantization_config"] = quantization_config(group_size, method, damp, dynamic)
     (out / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
     qc = {k: v for k, v in cfg["quantization_config"].items() if k != "meta"}
     (out / "quantize_config.json").write_text(json.dumps(qc, indent=2) + "\n")
     report = {"source": str(model), "method": method, "group_size": group_size,
+              "group_size_overrides": dynamic,
               "layers_quantized": len(solved), "linear_weight_bytes_source": src_bytes,
               "linear_weight_bytes_int4": q_bytes, "ratio": q_bytes / max(src_bytes, 1),
               "seconds": round(time.time() - t0, 2)}
@@ -227,6 +273,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", required=True, type=Path, help="BF16/FP16 HF Llama checkpoint folder")
     p.add_argument("--out", required=True, type=Path, help="output folder (GPTQ INT4 checkpoint)")
     p.add_argument("--group-size", type=int, default=128)
+    p.add_argument("--fallback-group-size", type=int, default=None,
+                   help="group size for layers --group-size does not fit (GPTQ 'dynamic' override)")
     p.add_argument("--method", choices=("rtn", "gptq"), default="rtn")
     p.add_argument("--calib-samples", type=int, default=128, help="gptq: calibration windows")
     p.add_argument("--calib-seq-len", type=int, default=256, help="gptq: tokens per window")
@@ -234,7 +282,7 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     try:
         quantize_checkpoint(a.model, a.out, a.group_size, a.method, a.calib_samples,
-                            a.calib_seq_len, a.damp)
+                            a.calib_seq_len, a.damp, fallback_group_size=a.fallback_group_size)
     except QuantizeError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -37,7 +37,11 @@ def sgl():
     from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
     from sglang.srt.plugins.hook_registry import HookType, _wrap_fn
 
-    return SimpleNamespace(**locals())
+    return SimpleNamespace(
+        pkgutil=pkgutil, TorchNativeAttnBackend=TorchNativeAttnBackend,
+        CPUFP8KVCacheMethod=CPUFP8KVCacheMethod, AttentionType=AttentionType,
+        MHATokenToKVPool=MHATokenToKVPool, ReqToTokenPool=ReqToTokenPool,
+        HookType=HookType, _wrap_fn=_wrap_fn)
 
 
 @pytest.fixture

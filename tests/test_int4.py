@@ -155,6 +155,32 @@ def test_rtn_checkpoint_layout(model_dir, tmp_path):
     assert report["layers_quantized"] == 2 * 7 and report["ratio"] < 0.4
 
 
+def test_fallback_group_size_writes_dynamic_overrides(model_dir, tmp_path):
+    from safetensors.torch import load_file
+
+    out = tmp_path / "mixed"  # TINY: attention and gate/up have in_features 64, down_proj 128
+    report = Q.quantize_checkpoint(model_dir, out, group_size=128, fallback_group_size=32,
+                                   log=lambda *a: None)
+    qc = json.loads((out / "config.json").read_text())["quantization_config"]
+    assert qc["group_size"] == 128 and qc["dynamic"] == report["group_size_overrides"]
+    import re
+
+    def group_of(module):  # what SGLang's get_dynamic_override resolves for a module name
+        for pat, over in qc["dynamic"].items():
+            if re.match(pat.removeprefix("+:"), module):
+                return over["group_size"]
+        return qc["group_size"]
+    assert group_of("model.layers.1.self_attn.qkv_proj") == 32  # SGLang's fused name
+    assert group_of("model.layers.0.self_attn.o_proj") == 32
+    assert group_of("model.layers.0.mlp.gate_up_proj") == 32
+    assert group_of("model.layers.1.mlp.down_proj") == 128
+    t = load_file(str(out / "model.safetensors"))
+    assert t["model.layers.0.self_attn.q_proj.scales"].shape[0] == 64 // 32
+    assert t["model.layers.0.mlp.down_proj.scales"].shape[0] == 128 // 128
+    with pytest.raises(Q.QuantizeError, match=r"fallback 48"):
+        Q.quantize_checkpoint(model_dir, tmp_path / "x", group_size=128, fallback_group_size=48)
+
+
 def test_gptq_method_end_to_end(model_dir, tmp_path):
     out = tmp_path / "gptq"
     report = Q.quantize_checkpoint(model_dir, out, group_size=32, method="gptq", num_samples=8,
@@ -171,8 +197,9 @@ N_NEW = 16
 def test_engine_serves_int4_close_to_bf16(model_dir, tmp_path):
     from safetensors.torch import load_file
 
-    out = tmp_path / "int4"
-    Q.quantize_checkpoint(model_dir, out, group_size=32, method="rtn", log=lambda *a: None)
+    out = tmp_path / "int4"  # mixed group sizes: exercises the CPU "dynamic" override hook too
+    Q.quantize_checkpoint(model_dir, out, group_size=128, method="rtn", fallback_group_size=32,
+                          log=lambda *a: None)
     ids = prompt_ids(model_dir)
     with sglang_engine(out) as engine:
         outs = sglang_greedy(engine, ids, N_NEW)
@@ -184,7 +211,8 @@ def test_engine_serves_int4_close_to_bf16(model_dir, tmp_path):
     for key in q:
         if key.endswith(".qweight"):
             base = key[: -len(".qweight")]
-            w = ref.dequantize(q[key], q[f"{base}.qzeros"], q[f"{base}.scales"].to(torch.bfloat16), 32)
+            gs = q[key].shape[0] * 8 // q[f"{base}.scales"].shape[0]
+            w = ref.dequantize(q[key], q[f"{base}.qzeros"], q[f"{base}.scales"].to(torch.bfloat16), gs)
             deq[f"{base}.weight"] = w.t().to(torch.bfloat16)
     same_weights = hf_greedy(model_dir, ids, N_NEW, state_dict=deq)
     bf16 = hf_greedy(model_dir, ids, N_NEW)
