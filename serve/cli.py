@@ -125,8 +125,7 @@ def prepare(argv: list[str]):
     except SystemExit as e:  # argparse inside SGLang; the same argv already parsed cleanly here
         raise LaunchError(f"SGLang rejected the arguments (exit {e.code})") from None
     except Exception as e:  # ServerArgs validation (ValueError, AssertionError, ...)
-        msg = str(e).strip().splitlines()
-        raise LaunchError(msg[0] if msg else type(e).__name__) from None
+        raise LaunchError(_first_line(e)) from None
     _log().info("kvguard_serve_starting", model_path=model_path, device=device, guard=config.mode.value,
                 kv_cache_dtype=getattr(server_args, "kv_cache_dtype", None))
     return server_args
@@ -140,14 +139,18 @@ def serve(server_args) -> int:
 
     load_plugins()  # as `python -m sglang.launch_server` does: every installed plugin, kvguard too
     logging.getLogger("sglang.srt.entrypoints.http_server").addFilter(_freeze_gc_race)
+    rc = 0
     try:
         run_server(server_args)
     except KeyboardInterrupt:
         pass
+    except Exception as e:  # e.g. a scheduler died while loading: its own traceback is above
+        print(f"{PROG}: error: SGLang stopped: {_first_line(e)}", file=sys.stderr)
+        rc = 1
     finally:
         kill_process_tree(os.getpid(), include_parent=False)
-    _log().info("kvguard_serve_stopped")
-    return 0
+    _log().info("kvguard_serve_stopped", exit_code=rc)
+    return rc
 
 
 # -- helpers ------------------------------------------------------------------------------------------
@@ -249,6 +252,11 @@ def _print_help() -> None:
         if a.dest == "model_path":
             a.required, a.help = False, "local model directory (default: kvguard's embedded model)"
     parser.print_help()
+
+
+def _first_line(e: BaseException) -> str:
+    lines = str(e).strip().splitlines()
+    return lines[0] if lines else type(e).__name__
 
 
 def _log():
