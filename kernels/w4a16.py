@@ -36,9 +36,20 @@ if HAVE_TRITON:
 
     @triton.jit
     def _w4a16_kernel(
-        x_ptr, qw_ptr, qz_ptr, s_ptr, b_ptr, y_ptr,
-        M, N, K,
-        stride_xm, stride_qwk, stride_qzg, stride_sg, stride_ym,
+        x_ptr,
+        qw_ptr,
+        qz_ptr,
+        s_ptr,
+        b_ptr,
+        y_ptr,
+        M,
+        N,
+        K,
+        stride_xm,
+        stride_qwk,
+        stride_qzg,
+        stride_sg,
+        stride_ym,
         GROUP_SIZE: tl.constexpr,
         ZERO_OFFSET: tl.constexpr,
         HAS_BIAS: tl.constexpr,
@@ -60,10 +71,14 @@ if HAVE_TRITON:
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
             k = k0 + offs_k
-            a = tl.load(x_ptr + offs_m[:, None] * stride_xm + k[None, :],
-                        mask=mask_m[:, None], other=0.0)
-            words = tl.load(qw_ptr + (k // 8)[:, None] * stride_qwk + offs_n[None, :],
-                            mask=mask_n[None, :], other=0)
+            a = tl.load(
+                x_ptr + offs_m[:, None] * stride_xm + k[None, :], mask=mask_m[:, None], other=0.0
+            )
+            words = tl.load(
+                qw_ptr + (k // 8)[:, None] * stride_qwk + offs_n[None, :],
+                mask=mask_n[None, :],
+                other=0,
+            )
             codes = (words >> nib_k[:, None]) & 0xF
             g = k0 // GROUP_SIZE
             scale = tl.load(s_ptr + g * stride_sg + offs_n, mask=mask_n, other=0.0)
@@ -77,8 +92,11 @@ if HAVE_TRITON:
         if HAS_BIAS:
             acc += tl.load(b_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
         out = acc.to(y_ptr.dtype.element_ty)
-        tl.store(y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :], out,
-                 mask=mask_m[:, None] & mask_n[None, :])
+        tl.store(
+            y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :],
+            out,
+            mask=mask_m[:, None] & mask_n[None, :],
+        )
 
 
 # Triton's CPU interpreter computes tl.dot in numpy, which has no bfloat16: there (tests only)
@@ -102,9 +120,18 @@ def _block_k(group_size: int) -> int:
     raise ValueError(f"the Triton W4A16 kernel needs group_size a multiple of 16, got {group_size}")
 
 
-def w4a16_matmul_triton(x, qweight, qzeros, scales, group_size: int, zero_offset: int = 1,
-                        bias=None, block_m: int | None = None, block_n: int = 64,
-                        block_k: int | None = None) -> torch.Tensor:
+def w4a16_matmul_triton(
+    x,
+    qweight,
+    qzeros,
+    scales,
+    group_size: int,
+    zero_offset: int = 1,
+    bias=None,
+    block_m: int | None = None,
+    block_n: int = 64,
+    block_k: int | None = None,
+) -> torch.Tensor:
     """Triton path; ``x`` [..., K] float16/bfloat16/float32, result [..., N] in ``x.dtype``."""
     if not HAVE_TRITON:  # pragma: no cover
         raise RuntimeError("triton is not available")
@@ -114,7 +141,9 @@ def w4a16_matmul_triton(x, qweight, qzeros, scales, group_size: int, zero_offset
     bk = block_k or _block_k(group_size)
     assert bk % PACK == 0 and group_size % bk == 0, (bk, group_size)
     for t in (qweight, qzeros, scales):
-        assert t.device == x.device and t.stride(1) == 1, "GPTQ tensors: same device, contiguous rows"
+        assert t.device == x.device and t.stride(1) == 1, (
+            "GPTQ tensors: same device, contiguous rows"
+        )
     x2 = x.reshape(-1, k)
     if x2.stride(1) != 1:
         x2 = x2.contiguous()
@@ -125,18 +154,34 @@ def w4a16_matmul_triton(x, qweight, qzeros, scales, group_size: int, zero_offset
     bm = block_m or (16 if m <= 16 else 64)
     grid = (triton.cdiv(m, bm), triton.cdiv(n, block_n))
     _w4a16_kernel[grid](
-        x2, qweight, qzeros, scales, bias if bias is not None else y, y,
-        m, n, k,
-        x2.stride(0), qweight.stride(0), qzeros.stride(0), scales.stride(0), y.stride(0),
-        GROUP_SIZE=group_size, ZERO_OFFSET=zero_offset, HAS_BIAS=bias is not None,
+        x2,
+        qweight,
+        qzeros,
+        scales,
+        bias if bias is not None else y,
+        y,
+        m,
+        n,
+        k,
+        x2.stride(0),
+        qweight.stride(0),
+        qzeros.stride(0),
+        scales.stride(0),
+        y.stride(0),
+        GROUP_SIZE=group_size,
+        ZERO_OFFSET=zero_offset,
+        HAS_BIAS=bias is not None,
         DOT_FP32=x.dtype == torch.float32 or (_INTERPRETED and x.dtype == torch.bfloat16),
-        BLOCK_M=bm, BLOCK_N=block_n, BLOCK_K=bk,
+        BLOCK_M=bm,
+        BLOCK_N=block_n,
+        BLOCK_K=bk,
     )
     return y.reshape(*x.shape[:-1], n)
 
 
-def w4a16_matmul(x, qweight, qzeros, scales, group_size: int, zero_offset: int = 1,
-                 bias=None) -> torch.Tensor:
+def w4a16_matmul(
+    x, qweight, qzeros, scales, group_size: int, zero_offset: int = 1, bias=None
+) -> torch.Tensor:
     """``x @ W (+ bias)``. Triton on CUDA (or KVGUARD_FORCE_TRITON=1, e.g. under
     TRITON_INTERPRET=1 on CPU tensors) when group_size is a multiple of 16; else the reference."""
     if _use_triton(x.device) and group_size % 16 == 0:

@@ -86,8 +86,14 @@ def check_gptq_shapes(qweight, qzeros, scales, group_size: int) -> tuple[int, in
     return k, n
 
 
-def dequantize(qweight, qzeros, scales, group_size: int, zero_offset: int = 1,
-               dtype: torch.dtype = torch.float32) -> torch.Tensor:
+def dequantize(
+    qweight,
+    qzeros,
+    scales,
+    group_size: int,
+    zero_offset: int = 1,
+    dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
     """The [K, N] weight the GPTQ tensors encode, computed in float32, returned as ``dtype``."""
     k, n = check_gptq_shapes(qweight, qzeros, scales, group_size)
     codes = unpack_rows(qweight)  # [K, N]
@@ -97,8 +103,15 @@ def dequantize(qweight, qzeros, scales, group_size: int, zero_offset: int = 1,
     return w.to(dtype)
 
 
-def w4a16_matmul_ref(x: torch.Tensor, qweight, qzeros, scales, group_size: int,
-                     zero_offset: int = 1, bias: torch.Tensor | None = None) -> torch.Tensor:
+def w4a16_matmul_ref(
+    x: torch.Tensor,
+    qweight,
+    qzeros,
+    scales,
+    group_size: int,
+    zero_offset: int = 1,
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:
     """``x @ W (+ bias)`` for x [..., K]: float32 math, result in ``x.dtype``."""
     w = dequantize(qweight, qzeros, scales, group_size, zero_offset)
     if x.shape[-1] != w.shape[0]:
@@ -109,8 +122,9 @@ def w4a16_matmul_ref(x: torch.Tensor, qweight, qzeros, scales, group_size: int,
     return y.to(x.dtype)
 
 
-def quantize_rtn(w: torch.Tensor, group_size: int, sym: bool = True,
-                 scale_dtype: torch.dtype = torch.float16):
+def quantize_rtn(
+    w: torch.Tensor, group_size: int, sym: bool = True, scale_dtype: torch.dtype = torch.float16
+):
     """Round-to-nearest 4-bit quantization of a [K, N] weight, per (group of K, column).
 
     Symmetric (the GPTQ convention): ``scale = 2 * max|w| / 15``, ``zero = 8``,
@@ -127,8 +141,9 @@ def quantize_rtn(w: torch.Tensor, group_size: int, sym: bool = True,
     return codes.reshape(k, n).to(torch.int32), zeros.to(torch.int32), scales
 
 
-def group_params(g: torch.Tensor, sym: bool, scale_dtype: torch.dtype = torch.float16
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
+def group_params(
+    g: torch.Tensor, sym: bool, scale_dtype: torch.dtype = torch.float16
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(scales, zeros) float32 [G, N] of 4-bit groups ``g`` [G, group, N] (GPTQ's quantizer)."""
     wmin = torch.clamp(g.amin(dim=1), max=0.0)
     wmax = torch.clamp(g.amax(dim=1), min=0.0)

@@ -41,10 +41,6 @@ class FP8KVConfigError(ValueError):
     """FP8 KV cache requested in a CPU configuration this file cannot serve."""
 
 
-def is_fp8_torch_native_pool(pool) -> bool:
-    return pool in _fp8_pools
-
-
 # -- KVCacheConfigurator.configure (AROUND) ---------------------------------------------------------------
 def around_configure(original, configurator, *args, **kwargs):
     if not _wants_torch_native_fp8(configurator):
@@ -62,8 +58,12 @@ def around_configure(original, configurator, *args, **kwargs):
             f"buffers, got {type(pool).__name__} (method {method!r}); see patches/targets.py"
         )
     _fp8_pools.add(pool)
-    log.info("kvguard_cpu_fp8_kv", layers=len(k_buf), slots=k_buf[0].shape[0],
-             bytes_per_token=sum(b[0].numel() * b.element_size() for b in k_buf + pool.v_buffer))
+    log.info(
+        "kvguard_cpu_fp8_kv",
+        layers=len(k_buf),
+        slots=k_buf[0].shape[0],
+        bytes_per_token=sum(b[0].numel() * b.element_size() for b in k_buf + pool.v_buffer),
+    )
     return result
 
 
@@ -87,7 +87,9 @@ def _wants_torch_native_fp8(configurator) -> bool:
     if configurator.use_mla_backend:
         raise FP8KVConfigError("FP8 KV cache on CPU supports MHA models only (this one is MLA).")
     if not configurator.spec_algorithm.is_none():
-        raise FP8KVConfigError("FP8 KV cache on CPU without AMX: speculative decoding is not supported.")
+        raise FP8KVConfigError(
+            "FP8 KV cache on CPU without AMX: speculative decoding is not supported."
+        )
     return True
 
 
@@ -152,7 +154,12 @@ def _scale(layer, kind: str) -> float:
 
 # -- MHATokenToKVPool.set_kv_buffer (BEFORE) --------------------------------------------------------------
 def supply_scales(pool, layer=None, *args, **kwargs):
-    if layer is None or pool not in _fp8_pools or kwargs.get("k_scale") is not None or len(args) > 3:
+    if (
+        layer is None
+        or pool not in _fp8_pools
+        or kwargs.get("k_scale") is not None
+        or len(args) > 3
+    ):
         return None  # not ours, or the caller already passes scales
     k_scale, v_scale = layer_kv_scales(layer)
     if k_scale == 1.0 and v_scale == 1.0:
@@ -169,7 +176,7 @@ def around_attention(original, backend, q, k, v, layer, forward_batch, *args, **
     if k_scale == 1.0 and v_scale == 1.0:
         return original(backend, q, k, v, layer, forward_batch, *args, **kwargs)
     softmax_scale = layer.scaling
-    default = layer.qk_head_dim ** -0.5 if softmax_scale is None else softmax_scale
+    default = layer.qk_head_dim**-0.5 if softmax_scale is None else softmax_scale
     layer.scaling = default * k_scale  # read as (s_k * k): fold s_k into the softmax scale
     try:
         out = original(backend, q, k, v, layer, forward_batch, *args, **kwargs)

@@ -39,7 +39,8 @@ class Int4ConfigError(ValueError):
 
 def _has_int4pack_cpu() -> bool:
     return hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu") and hasattr(
-        torch.ops.aten, "_convert_weight_to_int4pack_for_cpu")
+        torch.ops.aten, "_convert_weight_to_int4pack_for_cpu"
+    )
 
 
 class W4A16LinearKernel:
@@ -47,10 +48,14 @@ class W4A16LinearKernel:
 
     def __init__(self, quant_config):
         if quant_config.weight_bits != 4:
-            raise Int4ConfigError(f"W4A16 kernel: 4-bit GPTQ only, got {quant_config.weight_bits} bits")
+            raise Int4ConfigError(
+                f"W4A16 kernel: 4-bit GPTQ only, got {quant_config.weight_bits} bits"
+            )
         if quant_config.group_size == -1:
-            raise Int4ConfigError("W4A16 kernel: per-channel GPTQ (group_size -1) is not supported; "
-                                  "quantize with a group size (e.g. 128)")
+            raise Int4ConfigError(
+                "W4A16 kernel: per-channel GPTQ (group_size -1) is not supported; "
+                "quantize with a group size (e.g. 128)"
+            )
         self.quant_config = quant_config
         self.group_size = quant_config.group_size
         self.zero_offset = 0 if quant_config.checkpoint_format == "gptq_v2" else 1
@@ -66,16 +71,24 @@ class W4A16LinearKernel:
         if g_idx is not None:
             want = torch.arange(k, device=g_idx.device, dtype=g_idx.dtype) // self.group_size
             if not torch.equal(g_idx.data, want):
-                raise Int4ConfigError("W4A16 kernel: act-order (desc_act) GPTQ checkpoints are not "
-                                      "supported; quantize with desc_act false")
+                raise Int4ConfigError(
+                    "W4A16 kernel: act-order (desc_act) GPTQ checkpoints are not "
+                    "supported; quantize with desc_act false"
+                )
             del layer.g_idx
-        use_int4pack = (qweight.device.type == "cpu" and self.group_size in INT4PACK_GROUP_SIZES
-                        and k % self.group_size == 0 and _has_int4pack_cpu())
+        use_int4pack = (
+            qweight.device.type == "cpu"
+            and self.group_size in INT4PACK_GROUP_SIZES
+            and k % self.group_size == 0
+            and _has_int4pack_cpu()
+        )
         layer.w4a16_int4pack = use_int4pack
         layer.w4a16_shape = (k, n)
         if not use_int4pack:
             for name in ("qweight", "qzeros", "scales"):
-                setattr(layer, name, torch.nn.Parameter(getattr(layer, name).data, requires_grad=False))
+                setattr(
+                    layer, name, torch.nn.Parameter(getattr(layer, name).data, requires_grad=False)
+                )
             return
         codes = unpack_rows(qweight).t().contiguous()  # [N, K] in 0..15
         packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1)
@@ -84,20 +97,31 @@ class W4A16LinearKernel:
         scale_offset = torch.stack([s, (8 - zeros).to(torch.float32) * s], dim=-1)
         del layer.qweight, layer.qzeros, layer.scales
         layer.int4_weight = torch.nn.Parameter(packed, requires_grad=False)
-        layer.int4_scale_offset = torch.nn.Parameter(scale_offset.to(scales.dtype).contiguous(),
-                                                     requires_grad=False)
+        layer.int4_scale_offset = torch.nn.Parameter(
+            scale_offset.to(scales.dtype).contiguous(), requires_grad=False
+        )
 
     def apply(self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None):
         if not layer.w4a16_int4pack:
-            return w4a16_matmul(x, layer.qweight, layer.qzeros, layer.scales, self.group_size,
-                                self.zero_offset, bias)
+            return w4a16_matmul(
+                x,
+                layer.qweight,
+                layer.qzeros,
+                layer.scales,
+                self.group_size,
+                self.zero_offset,
+                bias,
+            )
         k, n = layer.w4a16_shape
         x2 = x.reshape(-1, k)
         if x2.dtype != layer.int4_scale_offset.dtype:
-            raise Int4ConfigError(f"W4A16 CPU kernel: activations are {x2.dtype}, scales "
-                                  f"{layer.int4_scale_offset.dtype}; serve with --dtype matching")
+            raise Int4ConfigError(
+                f"W4A16 CPU kernel: activations are {x2.dtype}, scales "
+                f"{layer.int4_scale_offset.dtype}; serve with --dtype matching"
+            )
         y = torch.ops.aten._weight_int4pack_mm_for_cpu(
-            x2.contiguous(), layer.int4_weight, self.group_size, layer.int4_scale_offset)
+            x2.contiguous(), layer.int4_weight, self.group_size, layer.int4_scale_offset
+        )
         if bias is not None:
             y = y + bias
         return y.reshape(*x.shape[:-1], n)

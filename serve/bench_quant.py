@@ -55,7 +55,7 @@ def heldout_windows(model_dir: Path, num: int, seq_len: int) -> list[list[int]]:
         if len(ids) > num * seq_len + 1:
             break
     n = min(num, (len(ids) - 1) // seq_len)
-    return [ids[i * seq_len:i * seq_len + seq_len + 1] for i in range(n)]
+    return [ids[i * seq_len : i * seq_len + seq_len + 1] for i in range(n)]
 
 
 def prompts(windows: list[list[int]], num: int, length: int) -> list[list[int]]:
@@ -71,9 +71,13 @@ def kv_pool_tokens(model_dir: Path, budget_bytes: int) -> dict:
     from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
 
     cfg = json.loads((model_dir / "config.json").read_text())
-    dims = dict(head_num=cfg["num_key_value_heads"],
-                head_dim=cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"],
-                layer_num=cfg["num_hidden_layers"], device="cpu", enable_memory_saver=False)
+    dims = dict(
+        head_num=cfg["num_key_value_heads"],
+        head_dim=cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"],
+        layer_num=cfg["num_hidden_layers"],
+        device="cpu",
+        enable_memory_saver=False,
+    )
     page = 16
 
     def pool(dtype, size):
@@ -89,8 +93,11 @@ def kv_pool_tokens(model_dir: Path, budget_bytes: int) -> dict:
         tokens = (budget_bytes // per_slot - page) // page * page
         full = pool(dtype, tokens)
         assert nbytes(full) <= budget_bytes, (name, nbytes(full), budget_bytes)
-        out[name] = {"bytes_per_token": per_slot, "tokens": tokens,
-                     "storage": str(full.k_buffer[0].dtype).replace("torch.", "")}
+        out[name] = {
+            "bytes_per_token": per_slot,
+            "tokens": tokens,
+            "storage": str(full.k_buffer[0].dtype).replace("torch.", ""),
+        }
         del full
     return out
 
@@ -102,8 +109,11 @@ def linear_weight_bytes(model_dir: Path) -> int:
     with safe_open(str(model_dir / "model.safetensors"), "pt") as f:
         for key in f.keys():
             parts = key.split(".")
-            if len(parts) >= 2 and parts[-2] in LINEARS and (
-                    parts[-1] == "weight" or parts[-1] in INT4_SUFFIXES):
+            if (
+                len(parts) >= 2
+                and parts[-2] in LINEARS
+                and (parts[-1] == "weight" or parts[-1] in INT4_SUFFIXES)
+            ):
                 t = f.get_tensor(key)
                 total += t.numel() * t.element_size()
     return total
@@ -114,9 +124,17 @@ def linear_weight_bytes(model_dir: Path) -> int:
 def engine(model_dir: Path, **kw):
     import sglang as sgl
 
-    args = dict(model_path=str(model_dir), device="cpu", attention_backend="torch_native",
-                disable_cuda_graph=True, max_total_tokens=16384, page_size=16,
-                skip_server_warmup=True, log_level="error", random_seed=0)
+    args = dict(
+        model_path=str(model_dir),
+        device="cpu",
+        attention_backend="torch_native",
+        disable_cuda_graph=True,
+        max_total_tokens=16384,
+        page_size=16,
+        skip_server_warmup=True,
+        log_level="error",
+        random_seed=0,
+    )
     args.update(kw)
     e = sgl.Engine(**args)
     try:
@@ -126,8 +144,12 @@ def engine(model_dir: Path, **kw):
 
 
 def sglang_perplexity(e, windows: list[list[int]]) -> float:
-    outs = e.generate(input_ids=windows, sampling_params={"max_new_tokens": 1, "temperature": 0},
-                      return_logprob=True, logprob_start_len=0)
+    outs = e.generate(
+        input_ids=windows,
+        sampling_params={"max_new_tokens": 1, "temperature": 0},
+        return_logprob=True,
+        logprob_start_len=0,
+    )
     nll, count = 0.0, 0
     for w, o in zip(windows, outs):
         lps = o["meta_info"]["input_token_logprobs"]
@@ -140,9 +162,14 @@ def sglang_perplexity(e, windows: list[list[int]]) -> float:
 
 
 def greedy(e, ids: list[list[int]], n: int) -> list[list[int]]:
-    outs = e.generate(input_ids=ids, sampling_params={"max_new_tokens": n, "temperature": 0,
-                                                      "ignore_eos": True})
-    bad = [o["meta_info"]["finish_reason"] for o in outs if o["meta_info"]["finish_reason"]["type"] != "length"]
+    outs = e.generate(
+        input_ids=ids, sampling_params={"max_new_tokens": n, "temperature": 0, "ignore_eos": True}
+    )
+    bad = [
+        o["meta_info"]["finish_reason"]
+        for o in outs
+        if o["meta_info"]["finish_reason"]["type"] != "length"
+    ]
     assert not bad, bad
     return [o["output_ids"] for o in outs]
 
@@ -179,10 +206,13 @@ def hf_perplexity(model_dir: Path, windows: list[list[int]]) -> float:
     nll, count = 0.0, 0
     with torch.no_grad():
         for i in range(0, len(windows), 8):
-            x = torch.tensor(windows[i:i + 8])
+            x = torch.tensor(windows[i : i + 8])
             logits = model(input_ids=x[:, :-1]).logits.float()
-            nll += float(torch.nn.functional.cross_entropy(
-                logits.reshape(-1, logits.shape[-1]), x[:, 1:].reshape(-1), reduction="sum"))
+            nll += float(
+                torch.nn.functional.cross_entropy(
+                    logits.reshape(-1, logits.shape[-1]), x[:, 1:].reshape(-1), reduction="sum"
+                )
+            )
             count += x[:, 1:].numel()
     return math.exp(nll / count)
 
@@ -202,6 +232,7 @@ def kv_scales_file(model_dir: Path, windows: list[list[int]], out: Path) -> dict
 
     hooks = []
     for i, layer in enumerate(model.model.layers):
+
         def k_hook(_m, _inp, k, i=i):
             b, t, _ = k.shape
             kh = k.view(b, t, -1, hd).transpose(1, 2)
@@ -211,16 +242,24 @@ def kv_scales_file(model_dir: Path, windows: list[list[int]], out: Path) -> dict
 
         def v_hook(_m, _inp, v, i=i):
             amax[i] = max(amax.get(i, 0.0), float(v.abs().max()))
-        hooks += [layer.self_attn.k_proj.register_forward_hook(k_hook),
-                  layer.self_attn.v_proj.register_forward_hook(v_hook)]
+
+        hooks += [
+            layer.self_attn.k_proj.register_forward_hook(k_hook),
+            layer.self_attn.v_proj.register_forward_hook(v_hook),
+        ]
     with torch.no_grad():
         for i in range(0, len(windows), 8):
-            model(input_ids=torch.tensor(windows[i:i + 8]))
+            model(input_ids=torch.tensor(windows[i : i + 8]))
     for h in hooks:
         h.remove()
     scales = {i: a / 448.0 for i, a in sorted(amax.items())}
-    doc = {"model_type": cfg.model_type,
-           "kv_cache": {"dtype": "float8_e4m3fn", "scaling_factor": {"0": {str(i): s for i, s in scales.items()}}}}
+    doc = {
+        "model_type": cfg.model_type,
+        "kv_cache": {
+            "dtype": "float8_e4m3fn",
+            "scaling_factor": {"0": {str(i): s for i, s in scales.items()}},
+        },
+    }
     out.write_text(json.dumps(doc, indent=2))
     return scales
 
@@ -252,12 +291,15 @@ def run(a) -> str:
     torch.set_num_threads(a.threads)
     os.environ["OMP_NUM_THREADS"] = str(a.threads)  # the engines' scheduler processes inherit it
     os.environ.setdefault("SGLANG_USE_CPU_ENGINE", "1")
-    os.environ.setdefault("SGLANG_CACHE_DIR", os.path.join(tempfile.gettempdir(), "kvguard-sglang-cache"))
+    os.environ.setdefault(
+        "SGLANG_CACHE_DIR", os.path.join(tempfile.gettempdir(), "kvguard-sglang-cache")
+    )
     os.environ.setdefault("KVGUARD_MODE", "off")  # measure the features, not the guard
     from kvguard.serve.quantize import calibration_batches, quantize_checkpoint
 
     if a.model is None:
         from kvguard.serve.default_model import ensure_default_model
+
         a.model = ensure_default_model()
     model = Path(a.model)
     if a.group_size == "auto":
@@ -269,8 +311,16 @@ def run(a) -> str:
 
     log(f"quantizing {model} ({a.method}, group {gs}, fallback {fallback}) ...")
     int4 = work / "int4"
-    qrep = quantize_checkpoint(model, int4, gs, a.method, a.calib_samples, a.calib_seq_len,
-                               log=lambda *m: None, fallback_group_size=fallback)
+    qrep = quantize_checkpoint(
+        model,
+        int4,
+        gs,
+        a.method,
+        a.calib_samples,
+        a.calib_seq_len,
+        log=lambda *m: None,
+        fallback_group_size=fallback,
+    )
     uniform = None
     if fallback is not None:  # what one group size for every layer would cost (bytes only)
         ug = uniform_group_size(model)
@@ -287,8 +337,11 @@ def run(a) -> str:
     configs = [
         ("BF16", model, {}),
         ("FP8 KV (scale 1.0)", model, {"kv_cache_dtype": "fp8_e4m3"}),
-        ("FP8 KV (calibrated scales)", model, {"kv_cache_dtype": "fp8_e4m3",
-                                               "quantization_param_path": str(work / "kv_scales.json")}),
+        (
+            "FP8 KV (calibrated scales)",
+            model,
+            {"kv_cache_dtype": "fp8_e4m3", "quantization_param_path": str(work / "kv_scales.json")},
+        ),
         (f"INT4 ({a.method}, {qlabel(gs, fallback)})", int4, {}),
         ("INT4 + FP8 KV", int4, {"kv_cache_dtype": "fp8_e4m3"}),
     ]
@@ -299,13 +352,21 @@ def run(a) -> str:
         with engine(path, **kw) as e:
             ppl = sglang_perplexity(e, windows)
             gen = greedy(e, gen_prompts, a.gen_tokens)
-            single, batched = decode_speed(e, windows[-1][:a.prompt_len], a.speed_tokens, 8, a.repeats)
+            single, batched = decode_speed(
+                e, windows[-1][: a.prompt_len], a.speed_tokens, 8, a.repeats
+            )
         base = gen if base is None else base
         agree, same = agreement(gen, base)
-        rows.append(dict(name=name, ppl=ppl, agree=agree, same=same, single=single, batched=batched))
-        log(f"  {name}: ppl {ppl:.3f} agree {agree:.3f} single {single:.1f} tok/s ({time.time() - t:.0f}s)")
+        rows.append(
+            dict(name=name, ppl=ppl, agree=agree, same=same, single=single, batched=batched)
+        )
+        log(
+            f"  {name}: ppl {ppl:.3f} agree {agree:.3f} single {single:.1f} tok/s ({time.time() - t:.0f}s)"
+        )
     hf_ppl = hf_perplexity(model, windows)
-    return report(a, model, (gs, fallback), qrep, kv, wb, uniform, rows, hf_ppl, scales, len(windows))
+    return report(
+        a, model, (gs, fallback), qrep, kv, wb, uniform, rows, hf_ppl, scales, len(windows)
+    )
 
 
 def qlabel(gs: int, fallback: int | None) -> str:
@@ -319,7 +380,9 @@ def report(a, model, groups, qrep, kv, wb, uniform, rows, hf_ppl, scales, n_wind
     bf, f8 = kv["bf16"], kv["fp8_e4m3"]
     gs, fallback = groups
     qflags = f"--group-size {gs}" + (f" --fallback-group-size {fallback}" if fallback else "")
-    overrides = "; ".join(f"`{k}` -> {v['group_size']}" for k, v in qrep["group_size_overrides"].items())
+    overrides = "; ".join(
+        f"`{k}` -> {v['group_size']}" for k, v in qrep["group_size_overrides"].items()
+    )
     cmd = "python -m kvguard.serve.bench_quant " + " ".join(a.argv)
     lines = [
         "# Quantization on CPU: FP8 KV cache and INT4 weights",
@@ -330,7 +393,8 @@ def report(a, model, groups, qrep, kv, wb, uniform, rows, hf_ppl, scales, n_wind
         f"Model: `{model}` ({json.loads((model / 'config.json').read_text()).get('num_hidden_layers')} layers). "
         f"INT4: `python -m kvguard.serve.quantize --method {a.method} {qflags}` "
         f"(GPTQ checkpoint, symmetric, desc_act false; {qrep['seconds']} s"
-        + (f"; per-module group overrides: {overrides}" if overrides else "") + ").",
+        + (f"; per-module group overrides: {overrides}" if overrides else "")
+        + ").",
         "",
         "## Memory",
         "",
@@ -344,8 +408,10 @@ def report(a, model, groups, qrep, kv, wb, uniform, rows, hf_ppl, scales, n_wind
         f"| {wb['bf16']} | {wb['int4']} | **{wb['int4'] / wb['bf16']:.3f}x** | <= 0.3x |",
     ]
     if uniform is not None:
-        lines.append(f"| same, one group size for every layer (g{uniform[0]}, the largest that fits all; "
-                     f"not served below) | {wb['bf16']} | {uniform[1]} | {uniform[1] / wb['bf16']:.3f}x | |")
+        lines.append(
+            f"| same, one group size for every layer (g{uniform[0]}, the largest that fits all; "
+            f"not served below) | {wb['bf16']} | {uniform[1]} | {uniform[1] / wb['bf16']:.3f}x | |"
+        )
     lines += [
         "",
         "## Quality and speed",
@@ -363,8 +429,10 @@ def report(a, model, groups, qrep, kv, wb, uniform, rows, hf_ppl, scales, n_wind
     ]
     b = rows[0]
     for r in rows:
-        lines.append(f"| {r['name']} | {r['ppl']:.3f} | {100 * (r['ppl'] / b['ppl'] - 1):+.2f}% | "
-                     f"{r['agree']:.3f} ({r['same']}/{a.gen_prompts}) | {r['single']:.1f} | {r['batched']:.1f} |")
+        lines.append(
+            f"| {r['name']} | {r['ppl']:.3f} | {100 * (r['ppl'] / b['ppl'] - 1):+.2f}% | "
+            f"{r['agree']:.3f} ({r['same']}/{a.gen_prompts}) | {r['single']:.1f} | {r['batched']:.1f} |"
+        )
     lines += [
         "",
         f"Cross-check: transformers (float32, same windows) gives BF16-checkpoint perplexity {hf_ppl:.3f} "
@@ -376,7 +444,8 @@ def report(a, model, groups, qrep, kv, wb, uniform, rows, hf_ppl, scales, n_wind
         "attention when the model has them. 'scale 1.0' is SGLang's default when a model ships no KV "
         "scales; 'calibrated' passes max(|K after RoPE|, |V|)/448 per layer (calibration windows from "
         "the training split) through `--quantization-param-path`: "
-        + ", ".join(f"L{i} {s:.4f}" for i, s in scales.items()) + ".",
+        + ", ".join(f"L{i} {s:.4f}" for i, s in scales.items())
+        + ".",
         f"- INT4 weight bytes count qweight + qzeros + scales (fp16) + g_idx; at group size g the "
         f"floor is 0.25 + 1.25/g of BF16 (g={gs}: {0.25 + 1.25 / gs:.3f}x) plus g_idx. Embeddings, "
         f"norms and lm_head stay BF16. CPU kernel: torch's INT4 GEMM "
@@ -387,15 +456,22 @@ def report(a, model, groups, qrep, kv, wb, uniform, rows, hf_ppl, scales, n_wind
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m kvguard.serve.bench_quant")
-    p.add_argument("--model", type=Path, default=None, help="BF16 HF Llama (default: kvguard's default model)")
-    p.add_argument("--group-size", default="auto",
-                   help="INT4 group size, or auto: 128, with the largest fitting multiple of 8 as "
-                        "fallback for layers 128 does not divide")
+    p.add_argument(
+        "--model", type=Path, default=None, help="BF16 HF Llama (default: kvguard's default model)"
+    )
+    p.add_argument(
+        "--group-size",
+        default="auto",
+        help="INT4 group size, or auto: 128, with the largest fitting multiple of 8 as "
+        "fallback for layers 128 does not divide",
+    )
     p.add_argument("--fallback-group-size", type=int, default=None)
     p.add_argument("--method", choices=("rtn", "gptq"), default="gptq")
     p.add_argument("--calib-samples", type=int, default=128)
     p.add_argument("--calib-seq-len", type=int, default=256)
-    p.add_argument("--budget-mib", type=int, default=256, help="KV memory budget for the pool-size row")
+    p.add_argument(
+        "--budget-mib", type=int, default=256, help="KV memory budget for the pool-size row"
+    )
     p.add_argument("--eval-windows", type=int, default=32)
     p.add_argument("--seq-len", type=int, default=256)
     p.add_argument("--gen-prompts", type=int, default=16)
@@ -403,8 +479,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--gen-tokens", type=int, default=32)
     p.add_argument("--speed-tokens", type=int, default=64)
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--threads", type=int, default=1,
-                   help="torch/OpenMP threads (bench process and engines)")
+    p.add_argument(
+        "--threads", type=int, default=1, help="torch/OpenMP threads (bench process and engines)"
+    )
     p.add_argument("--out", type=Path, default=Path(__file__).with_name("quant_results.md"))
     a = p.parse_args(argv)
     a.argv = sys.argv[1:] if argv is None else argv

@@ -29,8 +29,13 @@ SEQUENTIAL_GROUPS = (
 )
 
 
-def gptq_quantize(weight: torch.Tensor, hessian: torch.Tensor, group_size: int,
-                  damp: float = 0.01, block: int = 128):
+def gptq_quantize(
+    weight: torch.Tensor,
+    hessian: torch.Tensor,
+    group_size: int,
+    damp: float = 0.01,
+    block: int = 128,
+):
     """GPTQ of W [N, K] given H [K, K]. Returns (codes int32 [K, N], zeros int32 [G, N],
     scales float32 [G, N]) in the GPTQ checkpoint orientation (K first)."""
     n, k = weight.shape
@@ -56,7 +61,7 @@ def gptq_quantize(weight: torch.Tensor, hessian: torch.Tensor, group_size: int,
         for i in range(i2 - i1):
             col = i1 + i
             if col % group_size == 0:
-                grp = w1[:, i:i + group_size].t().unsqueeze(0).to(torch.float32)  # [1, gs, N]
+                grp = w1[:, i : i + group_size].t().unsqueeze(0).to(torch.float32)  # [1, gs, N]
                 s, z = group_params(grp, sym=True)
                 g = col // group_size
                 scales[g], zeros[g] = s[0], z[0].to(torch.int32)
@@ -99,8 +104,9 @@ def _hessians(model, modules: list[torch.nn.Module], batches: list[torch.Tensor]
     return state["h"] / max(state["n"], 1)
 
 
-def calibrate_and_quantize(model, batches: list[torch.Tensor], group_sizes: dict[str, int],
-                           damp: float = 0.01, log=print) -> dict[str, tuple]:
+def calibrate_and_quantize(
+    model, batches: list[torch.Tensor], group_sizes: dict[str, int], damp: float = 0.01, log=print
+) -> dict[str, tuple]:
     """Sequential GPTQ over a float32 HF Llama ``model``; ``group_sizes`` maps module names
     (``model.layers.0.mlp.down_proj``) to their group size. Returns {module name: (codes, zeros,
     scales)}; the model's linear weights are replaced by their dequantized values on the way."""

@@ -11,6 +11,11 @@ loads (``CPUGPTQConfig`` creates and shards these parameters; kvguard only swaps
 ``patches/int4_cpu_linear.py``), it is what a GPTQ calibration produces natively, and on GPUs
 the same files are served by SGLang's gptq_marlin (symmetric, no act-order: Marlin-compatible).
 
+``--fallback-group-size G`` quantizes the layers ``--group-size`` does not divide with G instead,
+recorded as GPTQModel-style ``dynamic`` overrides in ``quantization_config`` (SGLang honours them
+on CUDA, and on CPU through kvguard's hook). Marlin has no kernel for groups under 32, so on a GPU
+such a checkpoint needs ``--quantization gptq`` (kvguard's Triton W4A16 kernel) if G < 32.
+
 Quantized: every ``q/k/v/o_proj`` and ``gate/up/down_proj`` of the decoder layers. Kept as they
 are: embeddings, norms, ``lm_head`` (the usual GPTQ choice). Methods:
 * ``rtn``: round to nearest per group (no data).
@@ -33,8 +38,15 @@ import torch
 from kvguard.kernels.w4a16_ref import PACK, pack_cols, pack_rows, quantize_rtn
 
 SUPPORTED_ARCHS = ("LlamaForCausalLM",)
-LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
-           "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
+LINEARS = (
+    "self_attn.q_proj",
+    "self_attn.k_proj",
+    "self_attn.v_proj",
+    "self_attn.o_proj",
+    "mlp.gate_proj",
+    "mlp.up_proj",
+    "mlp.down_proj",
+)
 SOURCE_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
@@ -46,20 +58,27 @@ class QuantizeError(ValueError):
 def read_config(model_dir: Path) -> dict:
     cfg_path = model_dir / "config.json"
     if not cfg_path.is_file():
-        raise QuantizeError(f"{model_dir}: no config.json (expected a Hugging Face checkpoint folder)")
+        raise QuantizeError(
+            f"{model_dir}: no config.json (expected a Hugging Face checkpoint folder)"
+        )
     cfg = json.loads(cfg_path.read_text())
     if "quantization_config" in cfg:
         method = cfg["quantization_config"].get("quant_method", "?")
-        raise QuantizeError(f"{model_dir} is already quantized (quant_method {method!r}); "
-                            "start from the BF16/FP16 checkpoint")
+        raise QuantizeError(
+            f"{model_dir} is already quantized (quant_method {method!r}); "
+            "start from the BF16/FP16 checkpoint"
+        )
     archs = cfg.get("architectures") or []
     if not any(a in SUPPORTED_ARCHS for a in archs):
-        raise QuantizeError(f"unsupported architecture {archs or cfg.get('model_type')!r}: "
-                            f"kvguard quantizes {', '.join(SUPPORTED_ARCHS)} checkpoints")
+        raise QuantizeError(
+            f"unsupported architecture {archs or cfg.get('model_type')!r}: "
+            f"kvguard quantizes {', '.join(SUPPORTED_ARCHS)} checkpoints"
+        )
     dtype = cfg.get("torch_dtype") or cfg.get("dtype") or "float32"
     if dtype not in SOURCE_DTYPES:
-        raise QuantizeError(f"unsupported checkpoint dtype {dtype!r}: expected one of "
-                            f"{', '.join(SOURCE_DTYPES)}")
+        raise QuantizeError(
+            f"unsupported checkpoint dtype {dtype!r}: expected one of {', '.join(SOURCE_DTYPES)}"
+        )
     return cfg
 
 
@@ -86,15 +105,18 @@ def linear_names(cfg: dict) -> list[str]:
     return [f"model.layers.{i}.{lin}" for i in range(cfg["num_hidden_layers"]) for lin in LINEARS]
 
 
-def plan_group_sizes(tensors: dict[str, torch.Tensor], names: list[str], group_size: int,
-                     fallback: int | None = None) -> dict[str, int]:
+def plan_group_sizes(
+    tensors: dict[str, torch.Tensor], names: list[str], group_size: int, fallback: int | None = None
+) -> dict[str, int]:
     """Group size per quantized layer. Each needs group | in_features, 8 | in_features and
     8 | out_features. Layers that ``group_size`` does not fit take ``fallback`` if given
     (recorded as GPTQ ``dynamic`` overrides); otherwise that is an error naming them."""
     for flag, g in (("--group-size", group_size), ("--fallback-group-size", fallback)):
         if g is not None and (g <= 0 or g % PACK):
-            raise QuantizeError(f"{flag} must be a positive multiple of {PACK}, got {g} "
-                                "(per-channel quantization, -1, is not supported)")
+            raise QuantizeError(
+                f"{flag} must be a positive multiple of {PACK}, got {g} "
+                "(per-channel quantization, -1, is not supported)"
+            )
     plan, bad, ks = {}, [], set()
     for name in names:
         w = tensors.get(f"{name}.weight")
@@ -118,19 +140,23 @@ def plan_group_sizes(tensors: dict[str, torch.Tensor], names: list[str], group_s
         tried = f"group size {group_size}" + (f" (fallback {fallback})" if fallback else "")
         raise QuantizeError(
             f"{tried} does not divide the in_features of {len(bad)} layer(s): "
-            + "; ".join(bad[:4]) + ("; ..." if len(bad) > 4 else "")
+            + "; ".join(bad[:4])
+            + ("; ..." if len(bad) > 4 else "")
             + f". Group sizes that fit every layer of this model: {valid or 'none'}; or keep "
-            "--group-size and pass --fallback-group-size for the layers it does not fit")
+            "--group-size and pass --fallback-group-size for the layers it does not fit"
+        )
     return plan
 
 
 # SGLang fuses q/k/v and gate/up into one layer (qkv_proj, gate_up_proj); a dynamic override must
 # match the fused name as well as the Hugging Face one. Members of a fused layer share in_features.
-_FUSED = {"self_attn.q_proj": "self_attn.(q_proj|k_proj|v_proj|qkv_proj)",
-          "self_attn.k_proj": "self_attn.(q_proj|k_proj|v_proj|qkv_proj)",
-          "self_attn.v_proj": "self_attn.(q_proj|k_proj|v_proj|qkv_proj)",
-          "mlp.gate_proj": "mlp.(gate_proj|up_proj|gate_up_proj)",
-          "mlp.up_proj": "mlp.(gate_proj|up_proj|gate_up_proj)"}
+_FUSED = {
+    "self_attn.q_proj": "self_attn.(q_proj|k_proj|v_proj|qkv_proj)",
+    "self_attn.k_proj": "self_attn.(q_proj|k_proj|v_proj|qkv_proj)",
+    "self_attn.v_proj": "self_attn.(q_proj|k_proj|v_proj|qkv_proj)",
+    "mlp.gate_proj": "mlp.(gate_proj|up_proj|gate_up_proj)",
+    "mlp.up_proj": "mlp.(gate_proj|up_proj|gate_up_proj)",
+}
 
 
 def dynamic_overrides(plan: dict[str, int], group_size: int) -> dict[str, dict]:
@@ -151,8 +177,9 @@ def dynamic_overrides(plan: dict[str, int], group_size: int) -> dict[str, dict]:
 
 
 # -- calibration data ---------------------------------------------------------------------------------
-def calibration_batches(model_dir: Path, num_samples: int, seq_len: int,
-                        batch_size: int = 8) -> list[torch.Tensor]:
+def calibration_batches(
+    model_dir: Path, num_samples: int, seq_len: int, batch_size: int = 8
+) -> list[torch.Tensor]:
     """``num_samples`` windows of ``seq_len`` tokens from stdlib files of the training split."""
     from transformers import AutoTokenizer
 
@@ -171,12 +198,13 @@ def calibration_batches(model_dir: Path, num_samples: int, seq_len: int,
     if len(ids) < need:
         raise QuantizeError(f"calibration corpus too small: {len(ids)} tokens < {need}")
     step = len(ids) // num_samples
-    windows = torch.tensor([ids[i * step:i * step + seq_len] for i in range(num_samples)])
+    windows = torch.tensor([ids[i * step : i * step + seq_len] for i in range(num_samples)])
     return list(windows.split(batch_size))
 
 
-def gptq_layers(model_dir: Path, plan: dict[str, int], num_samples: int, seq_len: int,
-                damp: float, log=print) -> dict[str, tuple]:
+def gptq_layers(
+    model_dir: Path, plan: dict[str, int], num_samples: int, seq_len: int, damp: float, log=print
+) -> dict[str, tuple]:
     from transformers import AutoModelForCausalLM
 
     from kvguard.serve.gptq import calibrate_and_quantize
@@ -199,12 +227,20 @@ def gptq_tensors(codes, zeros, scales, group_size: int) -> dict[str, torch.Tenso
     }
 
 
-def quantization_config(group_size: int, method: str, damp: float,
-                        dynamic: dict | None = None) -> dict:
+def quantization_config(
+    group_size: int, method: str, damp: float, dynamic: dict | None = None
+) -> dict:
     qc = {
-        "quant_method": "gptq", "bits": 4, "group_size": group_size, "sym": True,
-        "desc_act": False, "static_groups": False, "true_sequential": True, "lm_head": False,
-        "damp_percent": damp, "checkpoint_format": "gptq",
+        "quant_method": "gptq",
+        "bits": 4,
+        "group_size": group_size,
+        "sym": True,
+        "desc_act": False,
+        "static_groups": False,
+        "true_sequential": True,
+        "lm_head": False,
+        "damp_percent": damp,
+        "checkpoint_format": "gptq",
         "meta": {"quantizer": [f"kvguard-{method}"]},
     }
     if dynamic:
@@ -212,9 +248,17 @@ def quantization_config(group_size: int, method: str, damp: float,
     return qc
 
 
-def quantize_checkpoint(model: Path, out: Path, group_size: int = 128, method: str = "rtn",
-                        num_samples: int = 128, seq_len: int = 256, damp: float = 0.01,
-                        log=print, fallback_group_size: int | None = None) -> dict:
+def quantize_checkpoint(
+    model: Path,
+    out: Path,
+    group_size: int = 128,
+    method: str = "rtn",
+    num_samples: int = 128,
+    seq_len: int = 256,
+    damp: float = 0.01,
+    log=print,
+    fallback_group_size: int | None = None,
+) -> dict:
     """Write the INT4 checkpoint; returns a small report (also saved as quant_report.json)."""
     model, out = Path(model), Path(out)
     if method not in ("rtn", "gptq"):
@@ -229,8 +273,9 @@ def quantize_checkpoint(model: Path, out: Path, group_size: int = 128, method: s
     if method == "gptq":
         solved = gptq_layers(model, plan, num_samples, seq_len, damp, log)
     else:
-        solved = {n: quantize_rtn(tensors[f"{n}.weight"].t().to(torch.float32), plan[n])
-                  for n in names}
+        solved = {
+            n: quantize_rtn(tensors[f"{n}.weight"].t().to(torch.float32), plan[n]) for n in names
+        }
     result: dict[str, torch.Tensor] = {}
     src_bytes = q_bytes = 0
     for key, t in tensors.items():
@@ -247,42 +292,71 @@ def quantize_checkpoint(model: Path, out: Path, group_size: int = 128, method: s
 
     save_file(result, str(out / "model.safetensors"), metadata={"format": "pt"})
     for f in model.iterdir():  # tokenizer, generation config, ... (not weights, not config.json)
-        if f.is_file() and f.name != "config.json" and not f.name.startswith("model.safetensors") \
-                and f.suffix not in (".bin", ".pt", ".gguf") and f.name != "quant_report.json":
+        if (
+            f.is_file()
+            and f.name != "config.json"
+            and not f.name.startswith("model.safetensors")
+            and f.suffix not in (".bin", ".pt", ".gguf")
+            and f.name != "quant_report.json"
+        ):
             shutil.copy2(f, out / f.name)
     dynamic = dynamic_overrides(plan, group_size)
     cfg["quantization_config"] = quantization_config(group_size, method, damp, dynamic)
     (out / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
     qc = {k: v for k, v in cfg["quantization_config"].items() if k != "meta"}
     (out / "quantize_config.json").write_text(json.dumps(qc, indent=2) + "\n")
-    report = {"source": str(model), "method": method, "group_size": group_size,
-              "group_size_overrides": dynamic,
-              "layers_quantized": len(solved), "linear_weight_bytes_source": src_bytes,
-              "linear_weight_bytes_int4": q_bytes, "ratio": q_bytes / max(src_bytes, 1),
-              "seconds": round(time.time() - t0, 2)}
+    report = {
+        "source": str(model),
+        "method": method,
+        "group_size": group_size,
+        "group_size_overrides": dynamic,
+        "layers_quantized": len(solved),
+        "linear_weight_bytes_source": src_bytes,
+        "linear_weight_bytes_int4": q_bytes,
+        "ratio": q_bytes / max(src_bytes, 1),
+        "seconds": round(time.time() - t0, 2),
+    }
     if method == "gptq":
         report.update(calib_samples=num_samples, calib_seq_len=seq_len, damp=damp)
     (out / "quant_report.json").write_text(json.dumps(report, indent=2) + "\n")
-    log(f"wrote {out}: {len(solved)} linear layers, {method}, group {group_size}, "
-        f"linear weights {src_bytes} -> {q_bytes} bytes ({report['ratio']:.3f}x)")
+    log(
+        f"wrote {out}: {len(solved)} linear layers, {method}, group {group_size}, "
+        f"linear weights {src_bytes} -> {q_bytes} bytes ({report['ratio']:.3f}x)"
+    )
     return report
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m kvguard.serve.quantize", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(
+        prog="python -m kvguard.serve.quantize", description=__doc__.split("\n")[0]
+    )
     p.add_argument("--model", required=True, type=Path, help="BF16/FP16 HF Llama checkpoint folder")
     p.add_argument("--out", required=True, type=Path, help="output folder (GPTQ INT4 checkpoint)")
     p.add_argument("--group-size", type=int, default=128)
-    p.add_argument("--fallback-group-size", type=int, default=None,
-                   help="group size for layers --group-size does not fit (GPTQ 'dynamic' override)")
+    p.add_argument(
+        "--fallback-group-size",
+        type=int,
+        default=None,
+        help="group size for layers --group-size does not fit (GPTQ 'dynamic' override)",
+    )
     p.add_argument("--method", choices=("rtn", "gptq"), default="rtn")
     p.add_argument("--calib-samples", type=int, default=128, help="gptq: calibration windows")
     p.add_argument("--calib-seq-len", type=int, default=256, help="gptq: tokens per window")
-    p.add_argument("--damp", type=float, default=0.01, help="gptq: Hessian dampening (of mean diag)")
+    p.add_argument(
+        "--damp", type=float, default=0.01, help="gptq: Hessian dampening (of mean diag)"
+    )
     a = p.parse_args(argv)
     try:
-        quantize_checkpoint(a.model, a.out, a.group_size, a.method, a.calib_samples,
-                            a.calib_seq_len, a.damp, fallback_group_size=a.fallback_group_size)
+        quantize_checkpoint(
+            a.model,
+            a.out,
+            a.group_size,
+            a.method,
+            a.calib_samples,
+            a.calib_seq_len,
+            a.damp,
+            fallback_group_size=a.fallback_group_size,
+        )
     except QuantizeError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -13,8 +13,14 @@ from pathlib import Path
 import torch
 
 TINY_STEPS = 60
-PROMPTS = ("def __init__(self", "import os\nimport ", "class Foo:\n    def ", "for i in range(",
-           "    return self.", "if __name__ == ")
+PROMPTS = (
+    "def __init__(self",
+    "import os\nimport ",
+    "class Foo:\n    def ",
+    "for i in range(",
+    "    return self.",
+    "if __name__ == ",
+)
 
 
 def tiny_trained_model() -> Path:
@@ -47,15 +53,25 @@ def prompt_ids(model_dir: Path) -> list[list[int]]:
 @contextmanager
 def sglang_engine(model_dir: Path, guard_mode: str = "off", **kw):
     """An SGLang CPU engine (torch_native attention, page 16); ``kw`` adds Engine arguments."""
-    env = {"SGLANG_USE_CPU_ENGINE": "1", "KVGUARD_MODE": guard_mode,
-           "SGLANG_CACHE_DIR": os.path.join(tempfile.gettempdir(), "kvguard-sglang-cache")}
+    env = {
+        "SGLANG_USE_CPU_ENGINE": "1",
+        "KVGUARD_MODE": guard_mode,
+        "SGLANG_CACHE_DIR": os.path.join(tempfile.gettempdir(), "kvguard-sglang-cache"),
+    }
     saved = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
     import sglang as sgl
 
-    args = dict(model_path=str(model_dir), device="cpu", attention_backend="torch_native",
-                disable_cuda_graph=True, max_total_tokens=2048, page_size=16,
-                skip_server_warmup=True, log_level="warning")
+    args = dict(
+        model_path=str(model_dir),
+        device="cpu",
+        attention_backend="torch_native",
+        disable_cuda_graph=True,
+        max_total_tokens=2048,
+        page_size=16,
+        skip_server_warmup=True,
+        log_level="warning",
+    )
     args.update(kw)
     engine = sgl.Engine(**args)
     try:
@@ -70,12 +86,18 @@ def sglang_engine(model_dir: Path, guard_mode: str = "off", **kw):
 
 
 def sglang_greedy(engine, ids: list[list[int]], n: int) -> list[dict]:
-    return engine.generate(input_ids=ids, sampling_params={"temperature": 0, "max_new_tokens": n,
-                                                           "ignore_eos": True})
+    return engine.generate(
+        input_ids=ids, sampling_params={"temperature": 0, "max_new_tokens": n, "ignore_eos": True}
+    )
 
 
-def hf_greedy(model_dir: Path, ids: list[list[int]], n: int, dtype=torch.bfloat16,
-              state_dict: dict | None = None) -> list[list[int]]:
+def hf_greedy(
+    model_dir: Path,
+    ids: list[list[int]],
+    n: int,
+    dtype=torch.bfloat16,
+    state_dict: dict | None = None,
+) -> list[list[int]]:
     """Greedy continuations from transformers (optionally with replaced weights)."""
     from transformers import AutoModelForCausalLM
 
@@ -90,7 +112,7 @@ def hf_greedy(model_dir: Path, ids: list[list[int]], n: int, dtype=torch.bfloat1
             for _ in range(n):
                 nxt = model(input_ids=x).logits[0, -1].float().argmax()
                 x = torch.cat([x, nxt.view(1, 1)], dim=1)
-            out.append(x[0, len(row):].tolist())
+            out.append(x[0, len(row) :].tolist())
     return out
 
 

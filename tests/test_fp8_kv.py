@@ -22,7 +22,14 @@ pytest.importorskip("sglang")
 from kvguard.patches import cpu_fp8_kv  # noqa: E402
 from kvguard.patches.targets import QUANT_TARGETS  # noqa: E402
 
-from quant_helpers import agreement, hf_greedy, prompt_ids, sglang_engine, sglang_greedy, tiny_trained_model  # noqa: E402,I001
+from quant_helpers import (  # noqa: E402,I001
+    agreement,
+    hf_greedy,
+    prompt_ids,
+    sglang_engine,
+    sglang_greedy,
+    tiny_trained_model,
+)
 
 HEADS, KV_HEADS, DIM = 4, 2, 16
 
@@ -38,10 +45,15 @@ def sgl():
     from sglang.srt.plugins.hook_registry import HookType, _wrap_fn
 
     return SimpleNamespace(
-        pkgutil=pkgutil, TorchNativeAttnBackend=TorchNativeAttnBackend,
-        CPUFP8KVCacheMethod=CPUFP8KVCacheMethod, AttentionType=AttentionType,
-        MHATokenToKVPool=MHATokenToKVPool, ReqToTokenPool=ReqToTokenPool,
-        HookType=HookType, _wrap_fn=_wrap_fn)
+        pkgutil=pkgutil,
+        TorchNativeAttnBackend=TorchNativeAttnBackend,
+        CPUFP8KVCacheMethod=CPUFP8KVCacheMethod,
+        AttentionType=AttentionType,
+        MHATokenToKVPool=MHATokenToKVPool,
+        ReqToTokenPool=ReqToTokenPool,
+        HookType=HookType,
+        _wrap_fn=_wrap_fn,
+    )
 
 
 @pytest.fixture
@@ -53,25 +65,50 @@ def hooked(sgl, monkeypatch):
         owner_path, attr = target.rsplit(".", 1)
         owner = sgl.pkgutil.resolve_name(owner_path)
         hook = getattr(cpu_fp8_kv, hook_path.split(".", 1)[1])
-        monkeypatch.setattr(owner, attr, sgl._wrap_fn(getattr(owner, attr), hook, sgl.HookType[hook_type]))
+        monkeypatch.setattr(
+            owner, attr, sgl._wrap_fn(getattr(owner, attr), hook, sgl.HookType[hook_type])
+        )
 
 
 def _setup(sgl, n_prefix: int, register: bool = True, k_scale=None, v_scale=None):
-    pool = sgl.MHATokenToKVPool(size=64, page_size=16, dtype=torch.float8_e4m3fn, head_num=KV_HEADS,
-                                head_dim=DIM, layer_num=1, device="cpu", enable_memory_saver=False,
-                                quant_method=sgl.CPUFP8KVCacheMethod())
+    pool = sgl.MHATokenToKVPool(
+        size=64,
+        page_size=16,
+        dtype=torch.float8_e4m3fn,
+        head_num=KV_HEADS,
+        head_dim=DIM,
+        layer_num=1,
+        device="cpu",
+        enable_memory_saver=False,
+        quant_method=sgl.CPUFP8KVCacheMethod(),
+    )
     if register:
         cpu_fp8_kv._fp8_pools.add(pool)
     rtt = sgl.ReqToTokenPool(size=4, max_context_len=64, device="cpu", enable_memory_saver=False)
     backend = sgl.TorchNativeAttnBackend.__new__(sgl.TorchNativeAttnBackend)
-    backend.__dict__.update(forward_metadata=None, device="cpu", req_to_token_pool=rtt,
-                            token_to_kv_pool=pool, use_sliding_window_kv_pool=False,
-                            swa_out_cache_loc=None)
-    layer = SimpleNamespace(tp_q_head_num=HEADS, tp_k_head_num=KV_HEADS, tp_v_head_num=KV_HEADS,
-                            qk_head_dim=DIM, v_head_dim=DIM, head_dim=DIM, layer_id=0,
-                            scaling=DIM ** -0.5, is_cross_attention=False,
-                            attn_type=sgl.AttentionType.DECODER, sliding_window_size=-1,
-                            k_scale_float=k_scale, v_scale_float=v_scale)
+    backend.__dict__.update(
+        forward_metadata=None,
+        device="cpu",
+        req_to_token_pool=rtt,
+        token_to_kv_pool=pool,
+        use_sliding_window_kv_pool=False,
+        swa_out_cache_loc=None,
+    )
+    layer = SimpleNamespace(
+        tp_q_head_num=HEADS,
+        tp_k_head_num=KV_HEADS,
+        tp_v_head_num=KV_HEADS,
+        qk_head_dim=DIM,
+        v_head_dim=DIM,
+        head_dim=DIM,
+        layer_id=0,
+        scaling=DIM**-0.5,
+        is_cross_attention=False,
+        attn_type=sgl.AttentionType.DECODER,
+        sliding_window_size=-1,
+        k_scale_float=k_scale,
+        v_scale_float=v_scale,
+    )
     slots = torch.arange(16, 16 + n_prefix + 1)  # prefix tokens, then one decode token
     rtt.req_to_token[0, : n_prefix + 1] = slots
     return pool, backend, layer, slots
@@ -92,13 +129,22 @@ def _reference(q, k_deq, v_deq, scaling):
 
 def _run(sgl, backend, layer, slots, q, k, v, n):
     """Prefill n tokens (extend), then decode one more; returns both outputs."""
-    fb = SimpleNamespace(out_cache_loc=slots[:n], req_pool_indices=torch.tensor([0]),
-                         seq_lens=torch.tensor([n]), extend_prefix_lens=torch.tensor([0]),
-                         extend_seq_lens=torch.tensor([n]), encoder_lens=None)
+    fb = SimpleNamespace(
+        out_cache_loc=slots[:n],
+        req_pool_indices=torch.tensor([0]),
+        seq_lens=torch.tensor([n]),
+        extend_prefix_lens=torch.tensor([0]),
+        extend_seq_lens=torch.tensor([n]),
+        encoder_lens=None,
+    )
     o_ext = backend.forward_extend(q[:n], k[:n], v[:n], layer, fb)
-    fb = SimpleNamespace(out_cache_loc=slots[n:n + 1], req_pool_indices=torch.tensor([0]),
-                         seq_lens=torch.tensor([n + 1]), encoder_lens=None)
-    o_dec = backend.forward_decode(q[n:n + 1], k[n:n + 1], v[n:n + 1], layer, fb)
+    fb = SimpleNamespace(
+        out_cache_loc=slots[n : n + 1],
+        req_pool_indices=torch.tensor([0]),
+        seq_lens=torch.tensor([n + 1]),
+        encoder_lens=None,
+    )
+    o_dec = backend.forward_decode(q[n : n + 1], k[n : n + 1], v[n : n + 1], layer, fb)
     return o_ext, o_dec
 
 
@@ -113,7 +159,7 @@ def _qkv(n, magnitude=1.0, seed=0):
 def _check(o_ext, o_dec, q, k_deq, v_deq, n, scaling):
     want = _reference(q[:n], k_deq[:n], v_deq[:n], scaling)
     torch.testing.assert_close(o_ext.float(), want, atol=2e-2, rtol=2e-2)
-    want_dec = _reference(q[n:n + 1], k_deq, v_deq, scaling)
+    want_dec = _reference(q[n : n + 1], k_deq, v_deq, scaling)
     torch.testing.assert_close(o_dec.float(), want_dec, atol=2e-2, rtol=2e-2)
 
 
@@ -126,8 +172,12 @@ def test_fp8_pool_stores_fp8_bytes_and_dequantizes_on_read(sgl, hooked, ks, vs):
     sk, sv = ks or 1.0, vs or 1.0
     stored_k, stored_v = pool.k_buffer[0][slots], pool.v_buffer[0][slots]
     assert stored_k.dtype == torch.float8_e4m3fn and stored_k.element_size() == 1
-    assert torch.equal(stored_k.view(torch.uint8), (k / sk).to(torch.float8_e4m3fn).view(torch.uint8))
-    assert torch.equal(stored_v.view(torch.uint8), (v / sv).to(torch.float8_e4m3fn).view(torch.uint8))
+    assert torch.equal(
+        stored_k.view(torch.uint8), (k / sk).to(torch.float8_e4m3fn).view(torch.uint8)
+    )
+    assert torch.equal(
+        stored_v.view(torch.uint8), (v / sv).to(torch.float8_e4m3fn).view(torch.uint8)
+    )
     _check(o_ext, o_dec, q, stored_k.float() * sk, stored_v.float() * sv, n, layer.scaling)
 
 
@@ -152,8 +202,9 @@ def test_hooks_leave_other_pools_alone(sgl, hooked):
     q, k, v = _qkv(n + 1)
     o_ext, _ = _run(sgl, backend, layer, slots, q, k, v, n)
     # SGLang's own behaviour: no scales passed, plain cast on write and read
-    assert torch.equal(pool.k_buffer[0][slots].view(torch.uint8),
-                       k.to(torch.float8_e4m3fn).view(torch.uint8))
+    assert torch.equal(
+        pool.k_buffer[0][slots].view(torch.uint8), k.to(torch.float8_e4m3fn).view(torch.uint8)
+    )
     assert cpu_fp8_kv.supply_scales(pool, layer, None, k, v) is None
 
 

@@ -16,7 +16,14 @@ from kvguard.patches.int4_cpu_linear import Int4ConfigError, W4A16LinearKernel  
 from kvguard.serve import quantize as Q  # noqa: E402
 from kvguard.serve.gptq import gptq_quantize  # noqa: E402
 
-from quant_helpers import agreement, hf_greedy, prompt_ids, sglang_engine, sglang_greedy, tiny_trained_model  # noqa: E402,I001
+from quant_helpers import (  # noqa: E402,I001
+    agreement,
+    hf_greedy,
+    prompt_ids,
+    sglang_engine,
+    sglang_greedy,
+    tiny_trained_model,
+)
 
 torch.set_num_threads(min(2, torch.get_num_threads()))
 
@@ -78,7 +85,7 @@ def test_cpu_kernel_rejects_what_it_cannot_serve():
 def test_gptq_beats_rtn_on_correlated_inputs():
     g = torch.Generator().manual_seed(5)
     k, n, gs = 128, 48, 32
-    mix = torch.randn(k, k, generator=g) / k ** 0.5 + torch.eye(k)
+    mix = torch.randn(k, k, generator=g) / k**0.5 + torch.eye(k)
     x = torch.randn(2048, k, generator=g) @ mix  # correlated features, like real activations
     w = torch.randn(n, k, generator=g) * 0.05
     h = 2 * x.double().t() @ x.double() / x.shape[0]
@@ -111,7 +118,9 @@ def _copy_ckpt(src, dst, edit=None):
 
 
 def test_quantize_clear_errors(model_dir, tmp_path):
-    with pytest.raises(Q.QuantizeError, match=r"group size 128 does not divide .*\[8, 16, 32, 64\]"):
+    with pytest.raises(
+        Q.QuantizeError, match=r"group size 128 does not divide .*\[8, 16, 32, 64\]"
+    ):
         Q.quantize_checkpoint(model_dir, tmp_path / "a", group_size=128)
     with pytest.raises(Q.QuantizeError, match="multiple of 8"):
         Q.quantize_checkpoint(model_dir, tmp_path / "b", group_size=12)
@@ -119,18 +128,24 @@ def test_quantize_clear_errors(model_dir, tmp_path):
         Q.quantize_checkpoint(model_dir, tmp_path / "c", group_size=-1)
     with pytest.raises(Q.QuantizeError, match="unknown --method"):
         Q.quantize_checkpoint(model_dir, tmp_path / "d", method="awq")
-    quantized = _copy_ckpt(model_dir, tmp_path / "q",
-                           lambda c: c.update(quantization_config={"quant_method": "awq"}))
+    quantized = _copy_ckpt(
+        model_dir, tmp_path / "q", lambda c: c.update(quantization_config={"quant_method": "awq"})
+    )
     with pytest.raises(Q.QuantizeError, match="already quantized"):
         Q.quantize_checkpoint(quantized, tmp_path / "e")
-    gpt2 = _copy_ckpt(model_dir, tmp_path / "g", lambda c: c.update(architectures=["GPT2LMHeadModel"]))
+    gpt2 = _copy_ckpt(
+        model_dir, tmp_path / "g", lambda c: c.update(architectures=["GPT2LMHeadModel"])
+    )
     with pytest.raises(Q.QuantizeError, match="unsupported architecture"):
         Q.quantize_checkpoint(gpt2, tmp_path / "f")
     pickled = _copy_ckpt(model_dir, tmp_path / "p")
     (pickled / "model.safetensors").rename(pickled / "pytorch_model.bin")
     with pytest.raises(Q.QuantizeError, match="convert to safetensors"):
         Q.quantize_checkpoint(pickled, tmp_path / "h")
-    assert Q.main(["--model", str(model_dir), "--out", str(tmp_path / "i"), "--group-size", "128"]) == 2
+    assert (
+        Q.main(["--model", str(model_dir), "--out", str(tmp_path / "i"), "--group-size", "128"])
+        == 2
+    )
 
 
 def test_rtn_checkpoint_layout(model_dir, tmp_path):
@@ -140,10 +155,19 @@ def test_rtn_checkpoint_layout(model_dir, tmp_path):
     report = Q.quantize_checkpoint(model_dir, out, group_size=32, method="rtn")
     cfg = json.loads((out / "config.json").read_text())
     qc = cfg["quantization_config"]
-    assert (qc["quant_method"], qc["bits"], qc["group_size"], qc["sym"], qc["desc_act"],
-            qc["checkpoint_format"]) == ("gptq", 4, 32, True, False, "gptq")
+    assert (
+        qc["quant_method"],
+        qc["bits"],
+        qc["group_size"],
+        qc["sym"],
+        qc["desc_act"],
+        qc["checkpoint_format"],
+    ) == ("gptq", 4, 32, True, False, "gptq")
     assert (out / "tokenizer.json").is_file()
-    src, dst = load_file(str(model_dir / "model.safetensors")), load_file(str(out / "model.safetensors"))
+    src, dst = (
+        load_file(str(model_dir / "model.safetensors")),
+        load_file(str(out / "model.safetensors")),
+    )
     name = "model.layers.1.mlp.down_proj"
     assert f"{name}.weight" not in dst and dst[f"{name}.qweight"].dtype == torch.int32
     assert dst[f"{name}.scales"].dtype == torch.float16
@@ -159,8 +183,9 @@ def test_fallback_group_size_writes_dynamic_overrides(model_dir, tmp_path):
     from safetensors.torch import load_file
 
     out = tmp_path / "mixed"  # TINY: attention and gate/up have in_features 64, down_proj 128
-    report = Q.quantize_checkpoint(model_dir, out, group_size=128, fallback_group_size=32,
-                                   log=lambda *a: None)
+    report = Q.quantize_checkpoint(
+        model_dir, out, group_size=128, fallback_group_size=32, log=lambda *a: None
+    )
     qc = json.loads((out / "config.json").read_text())["quantization_config"]
     assert qc["group_size"] == 128 and qc["dynamic"] == report["group_size_overrides"]
     import re
@@ -170,6 +195,7 @@ def test_fallback_group_size_writes_dynamic_overrides(model_dir, tmp_path):
             if re.match(pat.removeprefix("+:"), module):
                 return over["group_size"]
         return qc["group_size"]
+
     assert group_of("model.layers.1.self_attn.qkv_proj") == 32  # SGLang's fused name
     assert group_of("model.layers.0.self_attn.o_proj") == 32
     assert group_of("model.layers.0.mlp.gate_up_proj") == 32
@@ -183,11 +209,13 @@ def test_fallback_group_size_writes_dynamic_overrides(model_dir, tmp_path):
 
 def test_gptq_method_end_to_end(model_dir, tmp_path):
     out = tmp_path / "gptq"
-    report = Q.quantize_checkpoint(model_dir, out, group_size=32, method="gptq", num_samples=8,
-                                   seq_len=32, log=lambda *a: None)
+    report = Q.quantize_checkpoint(
+        model_dir, out, group_size=32, method="gptq", num_samples=8, seq_len=32, log=lambda *a: None
+    )
     assert report["method"] == "gptq" and report["calib_samples"] == 8
     assert json.loads((out / "config.json").read_text())["quantization_config"]["meta"][
-        "quantizer"] == ["kvguard-gptq"]
+        "quantizer"
+    ] == ["kvguard-gptq"]
 
 
 # ------------------------------------------------------------------------ quantize -> serve (SGLang)
@@ -198,8 +226,9 @@ def test_engine_serves_int4_close_to_bf16(model_dir, tmp_path):
     from safetensors.torch import load_file
 
     out = tmp_path / "int4"  # mixed group sizes: exercises the CPU "dynamic" override hook too
-    Q.quantize_checkpoint(model_dir, out, group_size=128, method="rtn", fallback_group_size=32,
-                          log=lambda *a: None)
+    Q.quantize_checkpoint(
+        model_dir, out, group_size=128, method="rtn", fallback_group_size=32, log=lambda *a: None
+    )
     ids = prompt_ids(model_dir)
     with sglang_engine(out) as engine:
         outs = sglang_greedy(engine, ids, N_NEW)
@@ -212,10 +241,11 @@ def test_engine_serves_int4_close_to_bf16(model_dir, tmp_path):
         if key.endswith(".qweight"):
             base = key[: -len(".qweight")]
             gs = q[key].shape[0] * 8 // q[f"{base}.scales"].shape[0]
-            w = ref.dequantize(q[key], q[f"{base}.qzeros"], q[f"{base}.scales"].to(torch.bfloat16), gs)
+            w = ref.dequantize(
+                q[key], q[f"{base}.qzeros"], q[f"{base}.scales"].to(torch.bfloat16), gs
+            )
             deq[f"{base}.weight"] = w.t().to(torch.bfloat16)
     same_weights = hf_greedy(model_dir, ids, N_NEW, state_dict=deq)
     bf16 = hf_greedy(model_dir, ids, N_NEW)
     assert agreement(got, same_weights) >= 0.9, (got, same_weights)
     assert agreement(got, bf16) >= 0.6, (got, bf16)
-

@@ -143,8 +143,9 @@ _INTERP_SCRIPT = textwrap.dedent(
 def test_triton_interpreter_matches_reference():
     pytest.importorskip("triton")
     env = dict(os.environ, TRITON_INTERPRET="1", KVGUARD_FORCE_TRITON="1")
-    r = subprocess.run([sys.executable, "-c", _INTERP_SCRIPT], env=env, capture_output=True,
-                       text=True, timeout=600)
+    r = subprocess.run(
+        [sys.executable, "-c", _INTERP_SCRIPT], env=env, capture_output=True, text=True, timeout=600
+    )
     assert r.returncode == 0, r.stdout + r.stderr
     assert "INTERP_OK" in r.stdout
 
