@@ -36,7 +36,9 @@ def install(engine, config: GuardConfig | None = None) -> list[dict]:
     statuses = scheduler_statuses(engine)
     missing = [rank for rank, s in enumerate(statuses) if not s or not s.get("active")]
     if missing:
-        env = {k: v for k, v in os.environ.items() if k.startswith("KVGUARD_") or k == "SGLANG_PLUGINS"}
+        env = {
+            k: v for k, v in os.environ.items() if k.startswith("KVGUARD_") or k == "SGLANG_PLUGINS"
+        }
         raise GuardNotActiveError(
             f"kvguard is not running in {len(missing)} of {len(statuses)} scheduler process(es) of "
             f"this sglang.Engine (environment now: {env or 'no KVGUARD_* set'}). The schedulers "
@@ -46,8 +48,11 @@ def install(engine, config: GuardConfig | None = None) -> list[dict]:
             "it, and check the scheduler log for a kvguard plugin error."
         )
     if config is not None:
-        want = {"mode": config.mode.value, "sweep_tokens_per_step": config.sweep_tokens_per_step,
-                "tenant_isolation": config.tenant_isolation}
+        want = {
+            "mode": config.mode.value,
+            "sweep_tokens_per_step": config.sweep_tokens_per_step,
+            "tenant_isolation": config.tenant_isolation,
+        }
         for rank, s in enumerate(statuses):
             got = {k: s.get(k) for k in want}
             if got != want:

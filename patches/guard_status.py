@@ -31,7 +31,7 @@ def guard_status() -> dict:
     return status
 
 
-# -- Scheduler.get_init_info (AFTER) ----------------------------------------------------------------
+# -- Scheduler.get_init_info (AFTER) -------------------------------------------------------------
 def add_to_init_info(result, scheduler, *args, **kwargs):
     if isinstance(result, dict):
         result[STATUS_KEY] = guard_status()

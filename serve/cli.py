@@ -23,15 +23,16 @@ import tempfile
 from importlib.util import find_spec
 from pathlib import Path
 
-from kvguard.config import ConfigError, GuardConfig, Mode
 from kvguard.serve import logconfig
 from kvguard.serve.preflight import LaunchError, check_listen_address, check_model_path
+
+from kvguard.config import ConfigError, GuardConfig, Mode
 
 PROG = "kvguard-serve"
 
 
 class _Parser(argparse.ArgumentParser):
-    """argparse that reports a usage error as one line instead of printing SGLang's 500-flag usage."""
+    """argparse that reports a usage error in one line, not with SGLang's 500-flag usage."""
 
     def error(self, message):
         raise LaunchError(message)
@@ -40,17 +41,34 @@ class _Parser(argparse.ArgumentParser):
 def kvguard_parser() -> argparse.ArgumentParser:
     p = _Parser(prog=PROG, add_help=False, allow_abbrev=False)
     g = p.add_argument_group("kvguard")
-    g.add_argument("--kvguard-mode", choices=[m.value for m in Mode],
-                   help="guard mode (env KVGUARD_MODE; default sampled)")
-    g.add_argument("--kvguard-sweep-tokens-per-step", type=int, metavar="N",
-                   help="resting KV tokens re-hashed per step in sampled mode (env KVGUARD_SWEEP_TOKENS_PER_STEP)")
-    g.add_argument("--kvguard-tenant-isolation", action=argparse.BooleanOptionalAction, default=None,
-                   help="bind a request's tenant into its prefix chain (env KVGUARD_TENANT_ISOLATION)")
-    g.add_argument("--no-fp8-kv", action="store_true",
-                   help="keep SGLang's KV cache dtype instead of kvguard's FP8 (fp8_e4m3) default")
-    g.add_argument("--log-format", choices=logconfig.FORMATS,
-                   default=os.environ.get(logconfig.ENV_FORMAT) or "console",
-                   help="kvguard's structured log lines: console or json (env KVGUARD_LOG_FORMAT)")
+    g.add_argument(
+        "--kvguard-mode",
+        choices=[m.value for m in Mode],
+        help="guard mode (env KVGUARD_MODE; default sampled)",
+    )
+    g.add_argument(
+        "--kvguard-sweep-tokens-per-step",
+        type=int,
+        metavar="N",
+        help="resting KV tokens re-hashed per step (env KVGUARD_SWEEP_TOKENS_PER_STEP)",
+    )
+    g.add_argument(
+        "--kvguard-tenant-isolation",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="bind a request's tenant into its prefix chain (env KVGUARD_TENANT_ISOLATION)",
+    )
+    g.add_argument(
+        "--no-fp8-kv",
+        action="store_true",
+        help="keep SGLang's KV cache dtype instead of kvguard's FP8 (fp8_e4m3) default",
+    )
+    g.add_argument(
+        "--log-format",
+        choices=logconfig.FORMATS,
+        default=os.environ.get(logconfig.ENV_FORMAT) or "console",
+        help="kvguard's structured log lines: console or json (env KVGUARD_LOG_FORMAT)",
+    )
     return p
 
 
@@ -72,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def prepare(argv: list[str]):
-    """Validate everything, set the environment, and return SGLang's ``ServerArgs`` (None: help shown)."""
+    """Validate, set the environment, return SGLang's ``ServerArgs`` (None: help was shown)."""
     kv, rest = kvguard_parser().parse_known_args(argv)
     if {"-h", "--help"} & set(rest):
         _set_platform_env(_wanted_device(rest))
@@ -103,9 +121,21 @@ def prepare(argv: list[str]):
     if device == "cpu":
         extra += _unset(given, "device", ["--device", "cpu"])
         extra += _unset(given, "attention_backend", ["--attention-backend", "torch_native"])
-        if not {"disable_cuda_graph", "cuda_graph_config", "cuda_graph_backend_decode",
-                "cuda_graph_backend_prefill"} & given.keys():
-            extra += ["--cuda-graph-backend-decode", "disabled", "--cuda-graph-backend-prefill", "disabled"]
+        if (
+            not {
+                "disable_cuda_graph",
+                "cuda_graph_config",
+                "cuda_graph_backend_decode",
+                "cuda_graph_backend_prefill",
+            }
+            & given.keys()
+        ):
+            extra += [
+                "--cuda-graph-backend-decode",
+                "disabled",
+                "--cuda-graph-backend-prefill",
+                "disabled",
+            ]
         extra += _unset(given, "skip_server_warmup", ["--skip-server-warmup"])
     extra += _unset(given, "enable_metrics", ["--enable-metrics"])
     # ---- FP8 KV default: the serving stack stores KV in fp8_e4m3 unless the user chose a dtype
@@ -126,8 +156,13 @@ def prepare(argv: list[str]):
         raise LaunchError(f"SGLang rejected the arguments (exit {e.code})") from None
     except Exception as e:  # ServerArgs validation (ValueError, AssertionError, ...)
         raise LaunchError(_first_line(e)) from None
-    _log().info("kvguard_serve_starting", model_path=model_path, device=device, guard=config.mode.value,
-                kv_cache_dtype=getattr(server_args, "kv_cache_dtype", None))
+    _log().info(
+        "kvguard_serve_starting",
+        model_path=model_path,
+        device=device,
+        guard=config.mode.value,
+        kv_cache_dtype=getattr(server_args, "kv_cache_dtype", None),
+    )
     return server_args
 
 
@@ -153,13 +188,17 @@ def serve(server_args) -> int:
     return rc
 
 
-# -- helpers ------------------------------------------------------------------------------------------
+# -- helpers ---------------------------------------------------------------------------------------
 def _freeze_gc_race(record: logging.LogRecord) -> bool:
     """With --skip-server-warmup, SGLang 0.5.23 posts /freeze_gc before uvicorn listens and logs
     the refused connection with three chained tracebacks. Say it in one line instead."""
     if record.getMessage() == "post-warmup freeze_gc failed" and record.exc_info:
         record.msg, record.args, record.exc_info, record.exc_text = (
-            "post-warmup freeze_gc skipped: the HTTP server was not listening yet", (), None, None)
+            "post-warmup freeze_gc skipped: the HTTP server was not listening yet",
+            (),
+            None,
+            None,
+        )
     return True
 
 
@@ -239,7 +278,9 @@ def _default_model() -> Path:
     try:
         from kvguard.serve.default_model import ensure_default_model
     except ImportError:
-        raise LaunchError("no --model-path given and kvguard's default model is not installed") from None
+        raise LaunchError(
+            "no --model-path given and kvguard's default model is not installed"
+        ) from None
     try:
         return ensure_default_model()
     except FileNotFoundError as e:

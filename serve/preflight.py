@@ -1,5 +1,5 @@
 """Checks ``kvguard-serve`` makes before it starts SGLang, so that bad input ends in one line
-(``kvguard-serve: error: ...``, exit 2) instead of a traceback from a child process minutes later."""
+(``kvguard-serve: error: ...``, exit 2), not in a traceback from a child process minutes later."""
 
 from __future__ import annotations
 
@@ -28,13 +28,17 @@ def check_model_path(path: str, load_format: str = "auto") -> None:
     if p.is_dir():
         config = p / "config.json"
         if not config.is_file():
-            raise LaunchError(f"--model-path {path}: no config.json (not a Hugging Face model directory)")
+            raise LaunchError(
+                f"--model-path {path}: no config.json (not a Hugging Face model directory)"
+            )
         try:
             fields = json.loads(config.read_text())
         except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
             raise LaunchError(f"--model-path {path}: config.json is unreadable ({e})") from None
         if not isinstance(fields, dict) or not ({"model_type", "architectures"} & fields.keys()):
-            raise LaunchError(f"--model-path {path}: config.json names no model_type or architectures")
+            raise LaunchError(
+                f"--model-path {path}: config.json names no model_type or architectures"
+            )
         if load_format != "dummy" and not any(next(p.glob(g), None) for g in WEIGHT_PATTERNS):
             raise LaunchError(f"--model-path {path}: no weight files (*.safetensors, *.bin, ...)")
         return

@@ -10,14 +10,21 @@ import textwrap
 from types import SimpleNamespace
 
 import pytest
+from tiny_model import tiny_random_llama
 
 import kvguard
 from kvguard.config import GuardConfig
 from kvguard.engine_status import GuardNotActiveError
-from tiny_model import tiny_random_llama
 
-REPORT = {"active": True, "pid": 4242, "mode": "sampled", "sweep_tokens_per_step": 256,
-          "tenant_isolation": False, "page_size": 16, "num_pages": 65}
+REPORT = {
+    "active": True,
+    "pid": 4242,
+    "mode": "sampled",
+    "sweep_tokens_per_step": 256,
+    "tenant_isolation": False,
+    "page_size": 16,
+    "num_pages": 65,
+}
 
 
 def fake_engine(*infos):
@@ -25,18 +32,24 @@ def fake_engine(*infos):
 
 
 def test_package_import_is_light():
-    code = "import sys, kvguard; print(sorted(m for m in ('torch', 'sglang', 'prometheus_client') if m in sys.modules))"
+    code = (
+        "import sys, kvguard; "
+        "print(sorted(m for m in ('torch', 'sglang', 'prometheus_client') if m in sys.modules))"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
 
 
 def test_install_returns_every_scheduler_report():
-    assert kvguard.install(fake_engine({"kvguard": REPORT}, {"kvguard": {**REPORT, "pid": 4243}})) == [
-        REPORT, {**REPORT, "pid": 4243}]
+    assert kvguard.install(
+        fake_engine({"kvguard": REPORT}, {"kvguard": {**REPORT, "pid": 4243}})
+    ) == [REPORT, {**REPORT, "pid": 4243}]
 
 
 def test_install_raises_when_a_scheduler_has_no_guard():
-    with pytest.raises(GuardNotActiveError, match="1 of 2 scheduler.*KVGUARD_MODE.*before creating the Engine"):
+    with pytest.raises(
+        GuardNotActiveError, match="1 of 2 scheduler.*KVGUARD_MODE.*before creating the Engine"
+    ):
         kvguard.install(fake_engine({"kvguard": REPORT}, {"status": "ready"}))
 
 
@@ -56,15 +69,20 @@ ENGINE_SCRIPT = textwrap.dedent("""
     import json, os, sys
     import kvguard, sglang
     if __name__ == "__main__":
-        engine = sglang.Engine(model_path=sys.argv[1], device="cpu", attention_backend="torch_native",
-                               disable_cuda_graph=True, skip_server_warmup=True, page_size=16,
-                               max_total_tokens=1024, log_level="error")
+        engine = sglang.Engine(
+            model_path=sys.argv[1], device="cpu", attention_backend="torch_native",
+            disable_cuda_graph=True, skip_server_warmup=True, page_size=16,
+            max_total_tokens=1024, log_level="error",
+        )
         try:
+            report = {"parent": os.getpid()}
             try:
-                print("REPORT", json.dumps({"parent": os.getpid(), "statuses": kvguard.install(engine)}))
+                report["statuses"] = kvguard.install(engine)
             except kvguard.engine_status.GuardNotActiveError as e:
-                print("REPORT", json.dumps({"parent": os.getpid(), "error": str(e)}))
-            out = engine.generate("def f(x):", {"max_new_tokens": 4, "temperature": 0, "ignore_eos": True})
+                report["error"] = str(e)
+            print("REPORT", json.dumps(report))
+            params = {"max_new_tokens": 4, "temperature": 0, "ignore_eos": True}
+            out = engine.generate("def f(x):", params)
             print("REPORT", json.dumps({"tokens": out["meta_info"]["completion_tokens"]}))
         finally:
             engine.shutdown()
@@ -76,11 +94,24 @@ def test_install_on_a_real_engine(tmp_path):
     script = tmp_path / "engine.py"
     script.write_text(ENGINE_SCRIPT)
     env = {k: v for k, v in os.environ.items() if not k.startswith(("KVGUARD_", "PROMETHEUS_"))}
-    env.update(SGLANG_USE_CPU_ENGINE="1", KVGUARD_MODE="tags",
-               SGLANG_CACHE_DIR=str(tmp_path / "sglang-cache"))
-    proc = subprocess.run([sys.executable, str(script), str(tiny_random_llama())], capture_output=True,
-                          text=True, timeout=300, env=env, cwd=tmp_path)
-    reports = [json.loads(line.split(" ", 1)[1]) for line in proc.stdout.splitlines() if line.startswith("REPORT ")]
+    env.update(
+        SGLANG_USE_CPU_ENGINE="1",
+        KVGUARD_MODE="tags",
+        SGLANG_CACHE_DIR=str(tmp_path / "sglang-cache"),
+    )
+    proc = subprocess.run(
+        [sys.executable, str(script), str(tiny_random_llama())],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+        cwd=tmp_path,
+    )
+    reports = [
+        json.loads(line.split(" ", 1)[1])
+        for line in proc.stdout.splitlines()
+        if line.startswith("REPORT ")
+    ]
     assert proc.returncode == 0 and len(reports) == 2, proc.stdout[-2000:] + proc.stderr[-4000:]
     first, second = reports
     assert "error" not in first, first

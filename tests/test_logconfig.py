@@ -9,15 +9,22 @@ import sys
 
 from kvguard.serve import logconfig
 
-CHILD = ("from kvguard.serve.logconfig import configure_from_env; import structlog, os; "
-         "print(configure_from_env(), flush=True); "
-         "structlog.get_logger('kvguard').info('hello', answer=42)")
+CHILD = (
+    "from kvguard.serve.logconfig import configure_from_env; import structlog, os; "
+    "print(configure_from_env(), flush=True); "
+    "structlog.get_logger('kvguard').info('hello', answer=42)"
+)
 
 
 def run_child(**env) -> subprocess.CompletedProcess:
     base = {k: v for k, v in os.environ.items() if not k.startswith("KVGUARD_LOG")}
-    return subprocess.run([sys.executable, "-c", CHILD], capture_output=True, text=True, check=True,
-                          env={**base, **env})
+    return subprocess.run(
+        [sys.executable, "-c", CHILD],
+        capture_output=True,
+        text=True,
+        check=True,
+        env={**base, **env},
+    )
 
 
 def test_json_lines_carry_the_child_pid():

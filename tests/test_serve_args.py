@@ -1,4 +1,4 @@
-"""kvguard-serve's defaults apply only where the user set nothing; SGLang's arguments pass through."""
+"""kvguard-serve's defaults apply only where the user set nothing; SGLang's args pass through."""
 
 from __future__ import annotations
 
@@ -16,12 +16,13 @@ SCRIPT = textwrap.dedent("""
     from kvguard.serve.cli import fp8_kv_supported, prepare
     FIELDS = ("model_path", "device", "attention_backend", "kv_cache_dtype", "enable_metrics",
               "skip_server_warmup", "page_size", "max_total_tokens", "port")
+    ENV = ("KVGUARD_MODE", "KVGUARD_SWEEP_TOKENS_PER_STEP", "KVGUARD_LOG_FORMAT",
+           "SGLANG_USE_CPU_ENGINE", "PROMETHEUS_MULTIPROC_DIR")
     out = {"fp8_supported": fp8_kv_supported(), "runs": []}
     for argv in json.loads(sys.argv[1]):
         args = prepare(argv)
         run = {f: getattr(args, f) for f in FIELDS}
-        run["env"] = {k: os.environ.get(k) for k in ("KVGUARD_MODE", "KVGUARD_SWEEP_TOKENS_PER_STEP",
-                      "KVGUARD_LOG_FORMAT", "SGLANG_USE_CPU_ENGINE", "PROMETHEUS_MULTIPROC_DIR")}
+        run["env"] = {k: os.environ.get(k) for k in ENV}
         out["runs"].append(run)
     print("RESULT", json.dumps(out))
 """)
@@ -32,13 +33,29 @@ def test_defaults_only_where_unset():
     base = ["--model-path", model, "--port", port]
     argvs = [
         base + ["--page-size", "16", "--max-total-tokens", "1024"],
-        base + ["--attention-backend", "triton", "--kv-cache-dtype", "bf16", "--kvguard-mode", "tags",
-                "--kvguard-sweep-tokens-per-step", "7", "--log-format", "json"],
+        base
+        + [
+            "--attention-backend",
+            "triton",
+            "--kv-cache-dtype",
+            "bf16",
+            "--kvguard-mode",
+            "tags",
+            "--kvguard-sweep-tokens-per-step",
+            "7",
+            "--log-format",
+            "json",
+        ],
         base + ["--no-fp8-kv"],
     ]
     env = {k: v for k, v in os.environ.items() if not k.startswith(("KVGUARD_", "PROMETHEUS_"))}
-    proc = subprocess.run([sys.executable, "-c", SCRIPT, json.dumps(argvs)], capture_output=True,
-                          text=True, timeout=180, env=env)
+    proc = subprocess.run(
+        [sys.executable, "-c", SCRIPT, json.dumps(argvs)],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        env=env,
+    )
     lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
     assert proc.returncode == 0 and lines, proc.stderr[-3000:]
     out = json.loads(lines[0].split(" ", 1)[1])

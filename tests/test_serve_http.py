@@ -16,7 +16,6 @@ from pathlib import Path
 import psutil
 import pytest
 import requests
-
 from tiny_model import serving_model, tiny_random_llama
 
 START_TIMEOUT_S = 240  # ~40 s on an idle 2-core machine; generous for a loaded one
@@ -40,7 +39,13 @@ def clean_env() -> dict:
 
 class Server:
     def __init__(self, proc: subprocess.Popen, port: int, log: Path, model: Path, is_default: bool):
-        self.proc, self.port, self.log, self.model, self.is_default = proc, port, log, model, is_default
+        self.proc, self.port, self.log, self.model, self.is_default = (
+            proc,
+            port,
+            log,
+            model,
+            is_default,
+        )
         self.url = f"http://127.0.0.1:{port}"
 
     def events(self) -> list[dict]:
@@ -55,8 +60,14 @@ class Server:
         return out
 
     def generate(self, text: str, n: int) -> dict:
-        r = requests.post(f"{self.url}/generate", timeout=60, json={
-            "text": text, "sampling_params": {"max_new_tokens": n, "temperature": 0, "ignore_eos": True}})
+        r = requests.post(
+            f"{self.url}/generate",
+            timeout=60,
+            json={
+                "text": text,
+                "sampling_params": {"max_new_tokens": n, "temperature": 0, "ignore_eos": True},
+            },
+        )
         assert r.status_code == 200, r.text
         return r.json()
 
@@ -66,8 +77,20 @@ def server(tmp_path_factory):
     model, is_default = serving_model()
     port = free_port()
     log = tmp_path_factory.mktemp("serve") / "server.log"
-    args = kvguard_serve() + ["--host", "127.0.0.1", "--port", str(port), "--page-size", "16",
-                              "--max-total-tokens", "1024", "--kvguard-mode", "sampled", "--log-format", "json"]
+    args = kvguard_serve() + [
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--page-size",
+        "16",
+        "--max-total-tokens",
+        "1024",
+        "--kvguard-mode",
+        "sampled",
+        "--log-format",
+        "json",
+    ]
     if not is_default:  # the default model is what kvguard-serve starts without --model-path
         args += ["--model-path", str(model)]
     with open(log, "wb") as out:
@@ -76,7 +99,8 @@ def server(tmp_path_factory):
     deadline = time.monotonic() + START_TIMEOUT_S
     while True:
         if proc.poll() is not None:
-            pytest.fail(f"kvguard-serve exited with {proc.returncode} during start-up:\n{log.read_text()[-4000:]}")
+            tail = log.read_text()[-4000:]
+            pytest.fail(f"kvguard-serve exited with {proc.returncode} during start-up:\n{tail}")
         try:
             if requests.get(f"{srv.url}/health", timeout=5).status_code == 200:
                 break
@@ -84,7 +108,9 @@ def server(tmp_path_factory):
             pass
         if time.monotonic() > deadline:
             proc.kill()
-            pytest.fail(f"kvguard-serve not healthy after {START_TIMEOUT_S} s:\n{log.read_text()[-4000:]}")
+            pytest.fail(
+                f"kvguard-serve not healthy after {START_TIMEOUT_S} s:\n{log.read_text()[-4000:]}"
+            )
         time.sleep(1)
     yield srv
     if proc.poll() is None:  # test_sigterm_stops_everything did not run or failed
@@ -101,8 +127,17 @@ def test_generate(server):
 
 
 def test_openai_completions(server):
-    r = requests.post(f"{server.url}/v1/completions", timeout=60, json={
-        "model": "default", "prompt": "import os\n", "max_tokens": 5, "temperature": 0, "ignore_eos": True})
+    r = requests.post(
+        f"{server.url}/v1/completions",
+        timeout=60,
+        json={
+            "model": "default",
+            "prompt": "import os\n",
+            "max_tokens": 5,
+            "temperature": 0,
+            "ignore_eos": True,
+        },
+    )
     assert r.status_code == 200, r.text
     body = r.json()
     assert body["object"] == "text_completion"
@@ -122,7 +157,9 @@ def test_metrics_include_guard_and_sglang_series(server):
     assert values.get("kvguard_tokens_checked_total", 0) > 0
     assert "kvguard_requests_aborted_total" in values
     # the launcher's own (tokenizer-side) series share the same multiprocess registry
-    assert any(name.startswith("sglang:prompt_tokens_total") for name in values), sorted(values)[:50]
+    assert any(name.startswith("sglang:prompt_tokens_total") for name in values), sorted(values)[
+        :50
+    ]
 
 
 def test_guard_runs_in_scheduler_process(server):
@@ -153,10 +190,15 @@ def test_sigterm_stops_everything(server):
     assert "Traceback" not in server.log.read_text(errors="replace")
 
 
-# -- bad input: one line on stderr, exit 2, SGLang never started ------------------------------------
+# -- bad input: one line on stderr, exit 2, SGLang never started ---------------------------------
 def run_cli(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run(kvguard_serve() + list(args), capture_output=True, text=True, timeout=120,
-                          env={**clean_env(), **(env or {})})
+    return subprocess.run(
+        kvguard_serve() + list(args),
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**clean_env(), **(env or {})},
+    )
 
 
 def assert_one_line_error(proc: subprocess.CompletedProcess, *fragments: str):
@@ -169,14 +211,18 @@ def assert_one_line_error(proc: subprocess.CompletedProcess, *fragments: str):
 
 
 def test_missing_model_path(tmp_path):
-    assert_one_line_error(run_cli("--model-path", str(tmp_path / "nope"), "--port", str(free_port())),
-                          "--model-path", "no such model directory")
+    assert_one_line_error(
+        run_cli("--model-path", str(tmp_path / "nope"), "--port", str(free_port())),
+        "--model-path",
+        "no such model directory",
+    )
 
 
 def test_invalid_model_path(tmp_path):
     (tmp_path / "config.json").write_text("{not json")
-    assert_one_line_error(run_cli("--model-path", str(tmp_path), "--port", str(free_port())),
-                          "config.json")
+    assert_one_line_error(
+        run_cli("--model-path", str(tmp_path), "--port", str(free_port())), "config.json"
+    )
 
 
 def test_port_in_use():
@@ -190,14 +236,22 @@ def test_port_in_use():
 
 def test_unknown_option():
     assert_one_line_error(
-        run_cli("--model-path", str(tiny_random_llama()), "--port", str(free_port()), "--no-such-flag"),
-        "unrecognized arguments: --no-such-flag")
+        run_cli(
+            "--model-path", str(tiny_random_llama()), "--port", str(free_port()), "--no-such-flag"
+        ),
+        "unrecognized arguments: --no-such-flag",
+    )
 
 
-@pytest.mark.parametrize("args, env, fragment", [
-    (["--kvguard-sweep-tokens-per-step", "-1"], {}, "sweep_tokens_per_step"),
-    ([], {"KVGUARD_MODE": "bogus"}, "invalid kvguard mode"),
-    (["--kvguard-mode", "bogus"], {}, "--kvguard-mode"),
-])
+@pytest.mark.parametrize(
+    "args, env, fragment",
+    [
+        (["--kvguard-sweep-tokens-per-step", "-1"], {}, "sweep_tokens_per_step"),
+        ([], {"KVGUARD_MODE": "bogus"}, "invalid kvguard mode"),
+        (["--kvguard-mode", "bogus"], {}, "--kvguard-mode"),
+    ],
+)
 def test_invalid_guard_config(args, env, fragment):
-    assert_one_line_error(run_cli("--model-path", str(tiny_random_llama()), *args, env=env), fragment)
+    assert_one_line_error(
+        run_cli("--model-path", str(tiny_random_llama()), *args, env=env), fragment
+    )
