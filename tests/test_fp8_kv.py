@@ -208,6 +208,54 @@ def test_hooks_leave_other_pools_alone(sgl, hooked):
     assert cpu_fp8_kv.supply_scales(pool, layer, None, k, v) is None
 
 
+def test_dequant_tables_match_torch_cast_for_every_byte():
+    codes = torch.arange(256, dtype=torch.uint8)
+    want = codes.view(torch.float8_e4m3fn).to(torch.bfloat16)
+    k_table, v_table = cpu_fp8_kv.dequant_tables(1.0, 0.5, torch.bfloat16)
+    finite = ~want.isnan()
+    assert torch.equal(k_table[finite], want[finite]) and bool(k_table[~finite].isnan().all())
+    assert torch.equal(v_table[finite], (want.float() * 0.5).to(torch.bfloat16)[finite])
+    cache = codes[torch.randperm(256)].view(torch.float8_e4m3fn).view(16, 2, 8)
+    rows = torch.tensor([3, 0, 15, 3])
+    got = cpu_fp8_kv.dequantize_rows(cache, rows, k_table)
+    assert got.shape == (4, 2, 8)
+    torch.testing.assert_close(got, cache[rows].to(torch.bfloat16), equal_nan=True, rtol=0, atol=0)
+
+
+def test_batched_read_bit_identical_to_sglang_cast(sgl, hooked):
+    """Scale 1.0: the compact table-dequantized read gives exactly SGLang's own results, for a
+    batch of requests with different lengths and page-table rows (decode and extend)."""
+    outs = []
+    for register in (True, False):
+        pool, backend, layer, _ = _setup(sgl, 0, register=register)
+        rtt = backend.req_to_token_pool
+        lens = [7, 3, 12]
+        g = torch.Generator().manual_seed(4)
+        perm = torch.randperm(60, generator=g)[: sum(lens)] + 1
+        for row, (start, n) in zip((2, 0, 3), zip((0, 7, 10), lens)):
+            rtt.req_to_token[row, :n] = perm[start : start + n]
+        q, k, v = _qkv(sum(lens), magnitude=2.0, seed=5)
+        fb = SimpleNamespace(
+            out_cache_loc=perm,
+            req_pool_indices=torch.tensor([2, 0, 3]),
+            seq_lens=torch.tensor(lens),
+            extend_prefix_lens=torch.tensor([0, 0, 0]),
+            extend_seq_lens=torch.tensor(lens),
+            encoder_lens=None,
+        )
+        o_ext = backend.forward_extend(q, k, v, layer, fb)
+        last = torch.tensor([6, 9, 21])  # each request's last token, re-read as a decode step
+        fb_dec = SimpleNamespace(
+            out_cache_loc=perm[last],
+            req_pool_indices=fb.req_pool_indices,
+            seq_lens=fb.seq_lens,
+            encoder_lens=None,
+        )
+        o_dec = backend.forward_decode(q[last], k[last], v[last], layer, fb_dec)
+        outs.append((o_ext, o_dec))
+    assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
+
+
 def test_layer_kv_scales_sources():
     f = cpu_fp8_kv.layer_kv_scales
     assert f(SimpleNamespace(layer_id=0)) == (1.0, 1.0)
