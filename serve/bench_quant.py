@@ -439,11 +439,12 @@ def report(a, model, groups, qrep, kv, wb, uniform, rows, hf_ppl, scales, n_wind
         f"(SGLang BF16: {b['ppl']:.3f}).",
         "",
         "Notes:",
-        "- FP8 KV stores K and V as float8_e4m3fn (1 byte/element, no scale buffers); dequantized on "
-        "read by torch_native's cast to the query dtype, with per-layer scales folded into the "
-        "attention when the model has them. 'scale 1.0' is SGLang's default when a model ships no KV "
-        "scales; 'calibrated' passes max(|K after RoPE|, |V|)/448 per layer (calibration windows from "
-        "the training split) through `--quantization-param-path`: "
+        "- FP8 KV stores K and V as float8_e4m3fn (1 byte/element, no scale buffers). On read, the "
+        "rows a batch needs are gathered and dequantized through a 256-entry table per layer "
+        "(byte -> value x scale), then SGLang's torch_native SDPA runs on that copy. 'scale 1.0' "
+        "is SGLang's default when a model ships no KV scales; 'calibrated' passes "
+        "max(|K after RoPE|, |V|)/448 per layer (training-split calibration windows) through "
+        "`--quantization-param-path`: "
         + ", ".join(f"L{i} {s:.4f}" for i, s in scales.items())
         + ".",
         f"- INT4 weight bytes count qweight + qzeros + scales (fp16) + g_idx; at group size g the "

@@ -291,3 +291,45 @@ def test_engine_fp8_kv_paranoid_guard_close_to_bf16(model_dir):
     want = hf_greedy(model_dir, ids, N_NEW)
     assert agreement(got, want) >= 0.8, (got, want)
     assert sum(g[:4] == w[:4] for g, w in zip(got, want)) >= len(ids) - 1
+
+
+# ----------------------------------------------------------------------------- the AMX gate
+def test_gate_decision(sgl, monkeypatch):
+    import sglang.srt.runtime_context as rc
+    import sglang.srt.utils.common as common
+
+    fp8 = SimpleNamespace(
+        kv_cache_dtype=torch.float8_e4m3fn,
+        use_mla_backend=False,
+        spec_algorithm=SimpleNamespace(is_none=lambda: True),
+    )
+    monkeypatch.setattr(common, "cpu_has_amx_support", lambda: False)
+    monkeypatch.setattr(rc, "attention_backends", lambda: ("torch_native", "torch_native"))
+    assert cpu_fp8_kv._wants_torch_native_fp8(fp8)
+    assert not cpu_fp8_kv._wants_torch_native_fp8(
+        SimpleNamespace(**{**vars(fp8), "kv_cache_dtype": torch.bfloat16})
+    )
+    with pytest.raises(cpu_fp8_kv.FP8KVConfigError, match="MLA"):
+        cpu_fp8_kv._wants_torch_native_fp8(
+            SimpleNamespace(**{**vars(fp8), "use_mla_backend": True})
+        )
+    monkeypatch.setattr(rc, "attention_backends", lambda: ("triton", "torch_native"))
+    with pytest.raises(cpu_fp8_kv.FP8KVConfigError, match="--attention-backend torch_native"):
+        cpu_fp8_kv._wants_torch_native_fp8(fp8)
+    monkeypatch.setattr(common, "cpu_has_amx_support", lambda: True)  # SGLang's own AMX route
+    assert not cpu_fp8_kv._wants_torch_native_fp8(fp8)
+
+
+def test_amx_gate_lifted_once_and_restored():
+    real_amx, real_backends = (lambda: False), (lambda: ("torch_native",))
+    kvc = SimpleNamespace(cpu_has_amx_support=real_amx, attention_backends=real_backends)
+    with cpu_fp8_kv._amx_gate_lifted(kvc):
+        assert kvc.cpu_has_amx_support() is True  # the gate's two calls
+        assert kvc.attention_backends() == ("intel_amx", "intel_amx")
+        assert kvc.cpu_has_amx_support() is False  # every later call: the truth
+        assert kvc.attention_backends() == ("torch_native",)
+    assert kvc.cpu_has_amx_support is real_amx and kvc.attention_backends is real_backends
+    with pytest.raises(cpu_fp8_kv.FP8KVConfigError, match="changed shape"):
+        with cpu_fp8_kv._amx_gate_lifted(kvc):
+            pass  # a configure() that no longer consults the gate
+    assert kvc.cpu_has_amx_support is real_amx
