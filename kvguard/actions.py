@@ -8,7 +8,7 @@ from typing import Protocol
 import structlog
 import torch
 
-from kvguard.ledger import PageLedger
+from kvguard.ledger import PageLedger, PageState
 from kvguard.metrics import GuardMetrics
 from kvguard.verdict import Violation
 
@@ -20,8 +20,9 @@ class EngineControl(Protocol):
 
     def abort(self, request_handle: object, violation: Violation) -> None: ...
 
-    def withhold_pages(self, pages: torch.Tensor) -> None:
-        """Take pages out of the engine's free list (they are quarantined)."""
+    def withhold_pages(self, pages: torch.Tensor) -> int:
+        """Take pages out of the engine's free list (they are quarantined); returns how many
+        were there."""
         ...
 
 
@@ -31,6 +32,8 @@ class Actions:
         self.metrics = metrics
         self.engine = engine
         self.history: list[Violation] = []  # recent violations, for tests and the debug endpoint
+        self.num_violations = 0  # since start: the engine's own consistency checks may now trip
+        self.num_quarantined_total = 0
 
     def apply(self, violations: list[Violation], handles: list[object], bad_pages: torch.Tensor, step: int):
         for violation, handle in zip(violations, handles):
@@ -41,6 +44,7 @@ class Actions:
                 self.engine.abort(handle, violation)
                 self.metrics.requests_aborted.inc()
             self.history.append(violation)
+            self.num_violations += 1
         del self.history[:-256]
         self.quarantine(bad_pages, step)
 
@@ -51,12 +55,14 @@ class Actions:
         pages = pages[pages > 0]  # page 0 is the engine's padding page
         if pages.numel() == 0:
             return
-        new = pages[self.ledger.state[pages] != 3]
+        new = pages[self.ledger.state[pages] != PageState.QUARANTINED]
+        self.num_quarantined_total += int(new.numel())
         self.ledger.quarantine(pages, step)
-        self.ledger.num_quarantined += int(new.numel())
         self.metrics.pages_quarantined.inc(int(new.numel()))
         if self.engine is not None:
-            self.engine.withhold_pages(pages)
+            # Pages the engine still holds are counted by it until it releases them;
+            # only pages taken out of its free list are the guard's to account for.
+            self.ledger.num_quarantined += self.engine.withhold_pages(new)
 
     def engine_event(self, violation: Violation):
         """A violation with no request to abort (e.g. a double free): count and log it."""

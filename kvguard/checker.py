@@ -189,7 +189,10 @@ class StepChecker:
         flag(bidx, valid & ~tag_ok & live & chain_ok & ~written, Kind.READ_UNWRITTEN)
         flag(bidx, valid & tag_ok & ~chain_ok, mismatch_kind)
         flag(bidx, valid & (st == PageState.QUARANTINED), Kind.QUARANTINED_PAGE)
-        flag(bidx, valid & ~live & (st != PageState.QUARANTINED), Kind.WRONG_OWNER)
+        stale = valid & ~live & (st != PageState.QUARANTINED)
+        flag(bidx, stale, Kind.WRONG_OWNER)
+        # A freed page still referenced (use-after-free): withhold it before it is reused.
+        taint.index_put_((page.reshape(-1),), stale.reshape(-1), accumulate=True)
         flag(bidx, valid & ((slots % ps) != (pos % ps)), Kind.MISPLACED_SLOT)
         # Masked-out entries land on row 0 / position 0: SGLang never gives row 0 to a request.
         ar = torch.where(adopt, r, torch.zeros_like(r))

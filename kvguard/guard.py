@@ -98,6 +98,8 @@ class Guard:
         if self.releasing_row is not None:
             keep &= (st == PageState.OWNED) & (L.owner_row[pages] == self.releasing_row)
         self._double_freed.index_put_((pages,), st == PageState.FREE, accumulate=True)  # read at resolve
+        if self.actions.num_quarantined_total:  # host int: no sync while nothing was ever quarantined
+            L.num_quarantined += int((st == PageState.QUARANTINED).sum())  # withheld from now on
         pages = pages[keep]  # a sync on GPU, like the torch.unique SGLang's free already does
         L.release(pages, self.step)
         self._account(t0)
@@ -151,31 +153,43 @@ class Guard:
             self._hashed_reported = hashed
 
     def _forensics(self, v: StepView, b: int, kinds: Kind) -> Violation:
-        """Slow path: name the suspect pages of request b with expected vs found tags."""
+        """Slow path: name the suspect pages of request b, with expected vs found tags/digests."""
         L, R, ps = self.ledger, self.records, self.ledger.page_size
         row = int(v.rows[b])
         n = int(v.prefix_lens[b])
-        pages = []
-        slots = v.page_table[row, :n].to(torch.int64).cpu()
-        writes = v.write_slots[v.write_batch == b].to(torch.int64).cpu()
-        positions = list(range(n)) + v.write_pos[v.write_batch == b].tolist()
-        for pos, slot in zip(positions, slots.tolist() + writes.tolist()):
-            if pos % ps and pos >= n:
-                continue
-            page = slot // ps
-            expected = int(R.epoch[row, pos // ps])
-            info = L.describe(page)
-            suspect = (
-                info["epoch"] != expected
-                or info["state"] not in ("owned", "shared")
-                or slot % ps != pos % ps
-                or (pos < n and not bool(R.sealed[row, pos]))
-            )
-            if suspect or (kinds & (Kind.CHECKSUM_MISMATCH | Kind.QUARANTINED_PAGE)):
-                info.update(position=pos, slot=slot, expected_epoch=expected,
-                            expected_digest=int(R.digest[row, pos]), found_digest=int(L.digest[slot]))
-                pages.append(info)
-            if len(pages) >= 8:
-                break
+        mine = v.write_batch == b
+        slots = torch.cat((v.page_table[row, :n].to(torch.int64), v.write_slots[mine].to(torch.int64))).cpu()
+        pos = torch.cat((torch.arange(n), v.write_pos[mine].to(torch.int64).cpu()))
+        page = slots // ps
+        found = torch.zeros_like(slots)
+        if self.config.checksums and n:
+            found[:n] = self.checker._digests(slots[:n].to(L.device), pos[:n].to(L.device)).cpu()
+        exp_epoch = R.epoch[row, (pos // ps).to(L.device)].cpu()
+        exp_digest = R.digest[row, pos.to(L.device)].cpu()
+        reasons = {
+            "epoch": L.epoch[page.to(L.device)].cpu() != exp_epoch,
+            "state": ~torch.isin(L.state[page.to(L.device)].cpu(), torch.tensor([int(PageState.OWNED), int(PageState.SHARED), int(PageState.ALLOCATED)])),
+            "offset": (slots % ps) != (pos % ps),
+            "digest": (torch.arange(slots.numel()) < n) & (found != exp_digest) if self.config.checksums else torch.zeros_like(slots, dtype=torch.bool),
+            "quarantined": L.state[page.to(L.device)].cpu() == PageState.QUARANTINED,
+        }
+        suspect = torch.zeros_like(slots, dtype=torch.bool)
+        for m in reasons.values():
+            suspect |= m
+        pages: dict[int, dict] = {}
+        for i in torch.nonzero(suspect).reshape(-1).tolist():
+            pg = int(page[i])
+            if pg not in pages:
+                if len(pages) >= 8:
+                    break
+                pages[pg] = {**L.describe(pg), "positions": []}
+            entry = pages[pg]["positions"]
+            if len(entry) < 8:
+                entry.append({
+                    "position": int(pos[i]), "slot": int(slots[i]), "write": i >= n,
+                    "why": [k for k, m in reasons.items() if bool(m[i])],
+                    "expected_epoch": int(exp_epoch[i]),
+                    "expected_digest": int(exp_digest[i]), "found_digest": int(found[i]),
+                })
         rid = v.request_ids[b] if v.request_ids else None
-        return Violation(new_violation_id(), kinds, v.step, rid, row, pages)
+        return Violation(new_violation_id(), kinds, v.step, rid, row, list(pages.values()))

@@ -4,14 +4,16 @@ server's ``/metrics`` through prometheus-client's multiprocess mode, which SGLan
 
 from __future__ import annotations
 
-from prometheus_client import REGISTRY, CollectorRegistry, Counter
-
 _default: "GuardMetrics | None" = None
 
 
 class GuardMetrics:
-    def __init__(self, registry: CollectorRegistry = REGISTRY):
-        kw = dict(namespace="kvguard", registry=registry)
+    def __init__(self, registry=None):
+        # Imported here, not at module import: prometheus-client picks its (multiprocess) value
+        # store when first imported, which must happen after SGLang set PROMETHEUS_MULTIPROC_DIR.
+        from prometheus_client import REGISTRY, Counter
+
+        kw = dict(namespace="kvguard", registry=REGISTRY if registry is None else registry)
         self.steps_checked = Counter("steps_checked", "Forward steps whose reads and writes were checked", **kw)
         self.tokens_checked = Counter("tokens_checked", "KV token reads and writes tag-checked", **kw)
         self.tokens_checksummed = Counter("tokens_checksummed", "KV tokens hashed (seal, hand-off, sweep, paranoid)", **kw)

@@ -48,16 +48,22 @@ class SGLangControl:
         req.skip_radix_cache_insert = True  # suspect KV never enters the prefix cache
         req.kvguard_violation = violation
 
-    def withhold_pages(self, pages: torch.Tensor):
+    def withhold_pages(self, pages: torch.Tensor) -> int:
         alloc = self.scheduler.token_to_kv_pool_allocator
+        removed = 0
         for name in ("free_pages", "release_pages"):
             free = getattr(alloc, name, None)
             if isinstance(free, torch.Tensor) and free.numel():
-                setattr(alloc, name, free[~torch.isin(free, pages.to(free.device))])
+                hit = torch.isin(free, pages.to(free.device))
+                removed += int(hit.sum())
+                setattr(alloc, name, free[~hit])
         staged = getattr(alloc, "staged_pages", None)
         if staged:
-            alloc.staged_pages = [p[~torch.isin(p, pages.to(p.device))] for p in staged]
+            hits = [torch.isin(p, pages.to(p.device)) for p in staged]
+            removed += sum(int(h.sum()) for h in hits)
+            alloc.staged_pages = [p[~h] for p, h in zip(staged, hits)]
             alloc.num_staged_pages = sum(p.numel() for p in alloc.staged_pages)
+        return removed
 
 
 # -- Scheduler.__init__ (AFTER) -------------------------------------------------------------------------
@@ -279,6 +285,20 @@ def on_rows_allocated(result, pool, *args, **kwargs):
     if _guard is not None and result:
         _guard.on_rows_allocated(torch.tensor(result, dtype=torch.int64, device=_guard.ledger.device))
     return result
+
+
+# -- SchedulerInvariantChecker._report_leak / _check_kv_page_invariants (AROUND) ---------------------------------
+def around_memory_check(original, checker, *args, **kwargs):
+    """After kvguard contained engine bugs (aborted their victims, withheld their pages), SGLang's
+    idle memory check can still see their footprint (a page both freed and cached). Stopping the
+    scheduler then would drop every in-flight request: report it instead, with the guard's count."""
+    try:
+        return original(checker, *args, **kwargs)
+    except ValueError as exc:
+        if _guard is None or not _guard.actions.num_violations:
+            raise
+        log.warning("kvguard_engine_memory_check_after_violations", error=str(exc),
+                    violations=_guard.actions.num_violations)
 
 
 # -- SchedulerInvariantChecker._check_pool_invariant (AROUND) -------------------------------------------------

@@ -41,6 +41,11 @@ GUARD_TARGETS = [
     ("sglang.srt.managers.scheduler_components.invariant_checker.SchedulerInvariantChecker._check_pool_invariant",
      "AROUND", "sglang_guard.around_pool_invariant",
      "count quarantined pages in SGLang's idle memory self-check"),
+    ("sglang.srt.managers.scheduler_components.invariant_checker.SchedulerInvariantChecker._report_leak",
+     "AROUND", "sglang_guard.around_memory_check",
+     "after contained violations, a footprint of the engine bug is reported, not fatal"),
+    ("sglang.srt.managers.scheduler_components.invariant_checker.SchedulerInvariantChecker._check_kv_page_invariants",
+     "AROUND", "sglang_guard.around_memory_check", "same, for SGLang's use-after-free / double-free scan"),
     ("sglang.srt.managers.scheduler.Scheduler.get_init_info", "AFTER", "guard_status.add_to_init_info",
      "report the guard's mode and pid in the start-up handshake (kvguard.install, /server_info)"),
 ]
