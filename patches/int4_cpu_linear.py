@@ -69,12 +69,7 @@ class W4A16LinearKernel:
             raise Int4ConfigError(f"GPTQ tensors of {type(layer).__name__}: {e}") from None
         g_idx = getattr(layer, "g_idx", None)
         if g_idx is not None:
-            want = torch.arange(k, device=g_idx.device, dtype=g_idx.dtype) // self.group_size
-            if not torch.equal(g_idx.data, want):
-                raise Int4ConfigError(
-                    "W4A16 kernel: act-order (desc_act) GPTQ checkpoints are not "
-                    "supported; quantize with desc_act false"
-                )
+            self._check_g_idx(g_idx.data, scales, k)
             del layer.g_idx
         use_int4pack = (
             qweight.device.type == "cpu"
@@ -100,6 +95,19 @@ class W4A16LinearKernel:
         layer.int4_scale_offset = torch.nn.Parameter(
             scale_offset.to(scales.dtype).contiguous(), requires_grad=False
         )
+
+    def _check_g_idx(self, g_idx: torch.Tensor, scales: torch.Tensor, k: int) -> None:
+        """g_idx must be k // group_size (no act-order). Rows SGLang padded (on CPU it pads
+        intermediate sizes, e.g. 688 -> 768, and zeroes the padding) may read 0: their groups
+        have zero scales, so they decode to zero weights whatever their g_idx."""
+        want = torch.arange(k, device=g_idx.device) // self.group_size
+        bad = (g_idx.to(torch.int64) != want).nonzero().flatten()
+        if bad.numel() and not bool((scales[want[bad]] == 0).all()):
+            raise Int4ConfigError(
+                f"W4A16 kernel: g_idx of a layer with in_features {k} is not k // "
+                f"{self.group_size} (first mismatch at row {int(bad[0])}): act-order (desc_act) "
+                "GPTQ checkpoints are not supported; quantize with desc_act false"
+            )
 
     def apply(self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None):
         if not layer.w4a16_int4pack:

@@ -67,6 +67,28 @@ def test_cpu_kernel_matches_reference(gs, fmt):
         assert torch.equal(got, want)
 
 
+@pytest.mark.parametrize("k_real,k_padded,gs", [(80, 96, 16), (64, 128, 32)])
+def test_cpu_kernel_accepts_sglang_padding(k_real, k_padded, gs):
+    """On CPU SGLang pads intermediate sizes (688 -> 768 for the default model) and zeroes the
+    padded rows of every parameter, g_idx included: those rows must decode to zero weights."""
+    n = 48
+    layer, (qw, qz, s) = _layer(k_real, n, gs)
+    pad_rows = (k_padded - k_real) // 8, (k_padded - k_real) // gs
+    layer.qweight.data = torch.cat([qw, torch.zeros(pad_rows[0], n, dtype=torch.int32)])
+    layer.qzeros.data = torch.cat([qz, torch.zeros(pad_rows[1], n // 8, dtype=torch.int32)])
+    layer.scales.data = torch.cat([s, torch.zeros(pad_rows[1], n, dtype=s.dtype)])
+    layer.g_idx.data = torch.cat(
+        [layer.g_idx.data, torch.zeros(k_padded - k_real, dtype=torch.int32)]
+    )
+    kernel = W4A16LinearKernel(_cfg(gs))
+    kernel.process_weights_after_loading(layer)
+    x = torch.randn(3, k_padded).to(torch.bfloat16)
+    got = kernel.apply(layer, x)
+    want = ref.w4a16_matmul_ref(x[:, :k_real], qw, qz, s, gs)
+    err = (got.float() - want.float()).abs().max() / want.float().abs().max()
+    assert float(err) < 1e-2
+
+
 def test_cpu_kernel_rejects_what_it_cannot_serve():
     with pytest.raises(Int4ConfigError, match="4-bit"):
         W4A16LinearKernel(_cfg(128, bits=8))
