@@ -44,6 +44,7 @@ class Guard:
         self.metrics = metrics or GuardMetrics.default()
         self.actions = Actions(self.ledger, self.metrics, engine)
         self.step = 0
+        self.flush_wanted = False  # a quarantine happened: the engine should drop its caches when idle
         self.releasing_row: int | None = None  # set by the adapter while it releases an aborted request
         self._hashed_reported = 0
         self._pending_taint = torch.zeros(self.ledger.num_pages, dtype=torch.bool, device=self.ledger.device)
@@ -82,6 +83,7 @@ class Guard:
             violations.append(self._forensics(verdict.view, b, Kind(int(kinds[b]))))
             bad_handles.append(handles[b])
         self.actions.apply(violations, bad_handles, bad_pages, verdict.view.step)
+        self.flush_wanted |= bad_pages.numel() > 0
         self._account(t0)
         return violations
 
@@ -104,6 +106,11 @@ class Guard:
         L.release(pages, self.step)
         self._account(t0)
         return pages
+
+    def holds_quarantined(self, slots: torch.Tensor) -> bool:
+        """Slow path (only once something was quarantined): does this slot list touch one?"""
+        pages = torch.div(slots.to(torch.int64), self.ledger.page_size, rounding_mode="floor")
+        return bool((self.ledger.state[pages.to(self.ledger.device)] == PageState.QUARANTINED).any())
 
     def private_pages(self, row: int) -> torch.Tensor:
         """Pages the ledger says this row owns privately (slow path: aborted requests only)."""
@@ -128,9 +135,12 @@ class Guard:
         self.records.sealed[rows] = False
 
     def reset(self):
+        """The engine cleared its pool: every page free, no record, nothing quarantined."""
         self.ledger.reset()
         self.records.epoch.zero_()
+        self.records.chain.zero_()
         self.records.sealed.zero_()
+        self.actions.num_quarantined_total = 0
 
     @property
     def num_quarantined_slots(self) -> int:

@@ -273,11 +273,56 @@ def around_checkpoint_into_tree(original, cache, req, *args, **kwargs):
     if _guard is None or not req.kv.holds_kv:
         return original(cache, req, *args, **kwargs)
     row = int(req.kv.req_pool_idx)
+    if _guard.actions.num_quarantined_total and _insert_meets_quarantine(cache, req, kwargs.get("up_to")):
+        # The tree would swap this request's pages for its own copies, quarantined ones among
+        # them: keep the request on its own pages (as if barred from the tree this once).
+        log.warning("kvguard_tree_insert_skipped", request=req.rid)
+        return None
     out = original(cache, req, *args, **kwargs)
     shared = req.kv.cache_protected_len if req.kv.holds_kv else kwargs.get("up_to", 0)
     if shared:
         _guard.on_share(_scheduler.req_to_token_pool.req_to_token[row, :shared])
     return out
+
+
+def _insert_meets_quarantine(cache, req, up_to) -> bool:
+    from sglang.srt.mem_cache.base_prefix_cache import MatchPrefixParams
+    from sglang.srt.mem_cache.common import _req_radix_key
+
+    tokens = req.full_untruncated_fill_ids[: up_to if up_to is not None else len(req.full_untruncated_fill_ids)]
+    result = cache._match_tree(MatchPrefixParams(key=_req_radix_key(cache, req, tokens)))
+    if not result.device_prefix_len:
+        return False
+    slots = cache.path_device_indices(result.last_device_node)[: result.device_prefix_len]
+    return _guard.holds_quarantined(slots)
+
+
+# -- Scheduler.on_idle (AFTER) ------------------------------------------------------------------------------
+def flush_when_idle(result, scheduler, *args, **kwargs):
+    """Once idle after a quarantine, flush the prefix cache so suspect nodes leave it."""
+    if _guard is not None and _guard.flush_wanted and scheduler.flush_cache():
+        log.info("kvguard_prefix_cache_flushed")
+        _guard.flush_wanted = False
+    return result
+
+
+# -- UnifiedRadixCache.match_prefix (AROUND) ---------------------------------------------------------------
+def around_match_prefix(original, cache, params, *args, **kwargs):
+    """Refuse a prefix-cache hit that runs through a quarantined page: the request prefills from
+    scratch instead of being aborted, and the bad node ages out of the tree unused (its pages are
+    withheld when the tree finally frees them)."""
+    result = original(cache, params, *args, **kwargs)
+    if _guard is None or not _guard.actions.num_quarantined_total or not result.device_prefix_len:
+        return result
+    slots = cache.path_device_indices(result.last_device_node)[: result.device_prefix_len]
+    if not _guard.holds_quarantined(slots):
+        return result
+    from sglang.srt.mem_cache.base_prefix_cache import zero_match_result
+
+    req = getattr(params, "req", None)
+    log.warning("kvguard_prefix_hit_refused", request=getattr(req, "rid", None),
+                prefix_len=result.device_prefix_len)
+    return zero_match_result(cache, result, extra_key=getattr(req, "extra_key", None))
 
 
 # -- ReqToTokenPool.alloc_rows (AFTER) ---------------------------------------------------------------------
