@@ -271,3 +271,25 @@ def test_engine_serves_int4_close_to_bf16(model_dir, tmp_path):
     bf16 = hf_greedy(model_dir, ids, N_NEW)
     assert agreement(got, same_weights) >= 0.9, (got, same_weights)
     assert agreement(got, bf16) >= 0.6, (got, bf16)
+
+
+def test_kernel_selection_hooks(monkeypatch):
+    import sglang.srt.utils.common as common
+
+    from kvguard.patches import int4_cpu_linear as P
+
+    amx_kernel = object()
+    monkeypatch.setattr(common, "cpu_has_amx_support", lambda: False)
+    kernel = P.around_cpu_init_kernel(lambda *a: amx_kernel, None, _cfg(128))
+    assert isinstance(kernel, W4A16LinearKernel) and kernel.group_size == 128
+    monkeypatch.setattr(common, "cpu_has_amx_support", lambda: True)  # SGLang's AMX kernel
+    assert P.around_cpu_init_kernel(lambda *a: amx_kernel, None, _cfg(128)) is amx_kernel
+
+    def removed(*a):
+        raise RuntimeError("The non-Marlin GPTQ CUDA kernel has been removed.")
+
+    if not torch.cuda.is_available():  # nothing to fall back to: SGLang's error stands
+        with pytest.raises(RuntimeError, match="removed"):
+            P.around_init_kernel(removed, None, _cfg(128))
+    else:
+        assert isinstance(P.around_init_kernel(removed, None, _cfg(128)), W4A16LinearKernel)
