@@ -81,3 +81,14 @@ QUANT_TARGETS = [
      "AROUND", "int4_cpu_linear.around_init_kernel",
      "plain GPTQ on CUDA (no Marlin): Triton W4A16 where SGLang removed its kernel"),
 ]
+
+# SGLang's own KV canary (--kv-canary) on CPU: the peer kvguard is compared with. Registered
+# whatever the guard mode; each hook calls SGLang's code unchanged off CPU.
+CANARY_TARGETS = [
+    ("sglang.srt.kv_canary.runner.canary_manager.create_device_stream", "AROUND",
+     "kv_canary_cpu.create_stream", "the canary's d2h stream: torch.cpu.Stream takes no device"),
+    ("sglang.srt.kv_canary.runner.future_tensor.FutureTensors.device_to_host", "AROUND",
+     "kv_canary_cpu.device_to_host", "no pinned host memory without CUDA: a plain clone on CPU"),
+    ("sglang.srt.utils.phase_checker.SimplePhaseChecker.update", "AROUND",
+     "kv_canary_cpu.phase_update", "the forward-bracket phase check is a Triton kernel: torch on CPU"),
+]
