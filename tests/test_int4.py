@@ -4,11 +4,13 @@ linear kernel patched into SGLang (patches/int4_cpu_linear.py), and quantize -> 
 from __future__ import annotations
 
 import json
+import os
 from types import SimpleNamespace
 
 import pytest
 
 torch = pytest.importorskip("torch")
+os.environ.setdefault("SGLANG_USE_CPU_ENGINE", "1")  # before anything imports sglang
 pytest.importorskip("transformers")
 
 from kvguard.kernels import w4a16_ref as ref  # noqa: E402
