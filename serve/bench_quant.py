@@ -27,6 +27,7 @@ import json
 import math
 import os
 import platform
+import shutil
 import sys
 import tempfile
 import time
@@ -298,6 +299,14 @@ def uniform_group_size(model_dir: Path) -> int:
 
 
 def run(a) -> str:
+    work = Path(tempfile.mkdtemp(prefix="kvguard-bench-quant-"))
+    try:
+        return measure(a, work)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def measure(a, work: Path) -> str:
     import torch
 
     torch.set_num_threads(a.threads)
@@ -318,7 +327,6 @@ def run(a) -> str:
         gs, fallback = auto_group_sizes(model)
     else:
         gs, fallback = int(a.group_size), a.fallback_group_size
-    work = Path(tempfile.mkdtemp(prefix="kvguard-bench-quant-"))
     log = lambda *m: print(*m, file=sys.stderr, flush=True)  # noqa: E731
 
     log(f"quantizing {model} ({a.method}, group {gs}, fallback {fallback}) ...")
