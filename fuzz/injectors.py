@@ -41,7 +41,8 @@ def _ps(sched) -> int:
 
 def live_requests(sched, batch):
     seen, out = set(), []
-    for req in list(batch.reqs) + list(getattr(sched.running_batch, "reqs", []) or []) + list(sched.waiting_queue):
+    batch_reqs = list(batch.reqs) if batch is not None else []
+    for req in batch_reqs + list(getattr(sched.running_batch, "reqs", []) or []) + list(sched.waiting_queue):
         if id(req) in seen or not req.kv.holds_kv or req.finished():
             continue
         seen.add(id(req))
@@ -58,6 +59,17 @@ def holders(sched, batch, slots: torch.Tensor) -> set[str]:
         if bool(torch.isin(row, slots.to(torch.int64)).any()):
             out.add(req.rid)
     return out
+
+
+def free_if_orphaned(sched, slots: torch.Tensor):
+    """Give slots back only if nothing holds them: not a live request, not the free list (someone,
+    e.g. a guard releasing an aborted request by its own records, may have freed them already)."""
+    alloc = sched.token_to_kv_pool_allocator
+    free = alloc.get_all_free_pages() if hasattr(alloc, "get_all_free_pages") else alloc.free_pages
+    pages = torch.unique(slots // alloc.page_size)
+    if bool(torch.isin(pages, free).any()) or holders(sched, None, slots):
+        return
+    alloc.free(slots)
 
 
 def _written_page(rng, req, ps, private=False):
@@ -128,9 +140,7 @@ def table_redirect(sched, batch, rng, step):
     def tidy(sched, req=a, slot=displaced):  # page size 1: the displaced slot would leak
         if not (req.finished() or not req.kv.holds_kv):
             return False
-        alloc = sched.token_to_kv_pool_allocator
-        if alloc.page_size == 1 and not bool(torch.isin(torch.tensor([slot]), alloc.free_pages).any()):
-            alloc.free(torch.tensor([slot], dtype=torch.int64))
+        free_if_orphaned(sched, torch.tensor([slot], dtype=torch.int64))
         return True
 
     return Injection("table_redirect", step, {a.rid}, {"rid": a.rid, "pos": pos, "slot": target}, cleanup=tidy)
@@ -290,7 +300,7 @@ def never_written(sched, batch, rng, step):
         def tidy(sched, req=req, fresh=fresh):  # the bug leaks the page once its reader is gone
             if not (req.finished() or not req.kv.holds_kv):
                 return False
-            sched.token_to_kv_pool_allocator.free(fresh)
+            free_if_orphaned(sched, fresh)
             return True
 
         return Injection("never_written", step, {req.rid}, {"rid": req.rid, "logical_page": lp,

@@ -183,6 +183,9 @@ class Guard:
             "digest": (torch.arange(slots.numel()) < n) & (found != exp_digest) if self.config.checksums else torch.zeros_like(slots, dtype=torch.bool),
             "quarantined": L.state[page.to(L.device)].cpu() == PageState.QUARANTINED,
         }
+        write_kinds = Kind.OVERWRITE | Kind.DOUBLE_ALLOCATION | Kind.WRITE_TO_SHARED | Kind.TABLE_MISMATCH
+        if kinds & write_kinds:  # the write targets themselves are the evidence
+            reasons["write_target"] = torch.arange(slots.numel()) >= n
         suspect = torch.zeros_like(slots, dtype=torch.bool)
         for m in reasons.values():
             suspect |= m
