@@ -374,7 +374,7 @@ def measure(a, work: Path) -> str:
             ppl, top1 = sglang_perplexity(e, windows, vocab)
             gen = greedy(e, gen_prompts, a.gen_tokens)
             single, batched = decode_speed(
-                e, windows[-1], a.prompt_len, a.speed_tokens, 8, a.repeats
+                e, [t for w in windows for t in w], a.prompt_len, a.speed_tokens, 8, a.repeats
             )
         base = base or (gen, top1)
         agree, same = agreement(gen, base[0])
