@@ -50,6 +50,16 @@ class Guard:
         self._pending_taint = torch.zeros(self.ledger.num_pages, dtype=torch.bool, device=self.ledger.device)
         self._double_freed = torch.zeros(self.ledger.num_pages, dtype=torch.bool, device=self.ledger.device)
 
+    def set_mode(self, mode) -> None:
+        """Switch mode at run time (benchmarks interleave modes in one server). ``off`` here means
+        installed but idle; a server started with mode off has no hooks at all."""
+        self.config = self.config.with_(mode=mode)
+        self.checker.config = self.config
+
+    @property
+    def active(self) -> bool:
+        return self.config.enabled
+
     # -- forward ------------------------------------------------------------------------------------
     def before_forward(self, view: StepView) -> StepVerdict:
         t0 = time.perf_counter()

@@ -9,6 +9,7 @@ computed is aborted rather than served unchecked.
 
 from __future__ import annotations
 
+import os
 import threading
 from array import array
 from http import HTTPStatus
@@ -25,6 +26,22 @@ log = structlog.get_logger("kvguard")
 _local = threading.local()  # the ScheduleBatch of the forward in flight on this thread
 _guard: Guard | None = None  # one per scheduler process
 _scheduler = None
+# Benchmarks only: a file whose content ("off", "tags", ...) switches the mode between steps.
+_mode_file = os.environ.get("KVGUARD_MODE_FILE")
+_mode_mtime = None
+
+
+def _reload_mode():
+    global _mode_mtime
+    try:
+        mtime = os.stat(_mode_file).st_mtime_ns
+        if mtime != _mode_mtime and _guard is not None:
+            _mode_mtime = mtime
+            with open(_mode_file) as f:
+                _guard.set_mode(f.read().strip())
+            log.info("kvguard_mode_switched", mode=_guard.config.mode.value)
+    except (OSError, ValueError):
+        pass
 
 
 def active_guard() -> Guard | None:
@@ -114,7 +131,9 @@ def around_worker_forward(original, worker, batch=None, *args, **kwargs):
 # -- ModelRunner.forward (AROUND) -----------------------------------------------------------------------
 def around_model_forward(original, runner, forward_batch, *args, **kwargs):
     batch = getattr(_local, "batch", None)
-    if _guard is None or batch is None:
+    if _mode_file is not None:
+        _reload_mode()
+    if _guard is None or batch is None or not _guard.active:
         return original(runner, forward_batch, *args, **kwargs)
     try:
         view = step_view(forward_batch, batch, runner.forward_pass_id + 1)

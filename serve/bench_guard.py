@@ -1,0 +1,179 @@
+"""Guard overhead benchmark: tokens/s and inter-token latency, guard off vs each mode, in one run.
+
+Two kvguard-serve servers on the same model: one started with ``--kvguard-mode off`` (no hooks
+at all: the true baseline) and one guarded server whose mode is switched between rounds through
+``KVGUARD_MODE_FILE``. Rounds interleave the configurations (off, tags, sampled, paranoid, off,
+...) so drift on a shared machine hits all of them alike; only one server works at a time. Each
+round flushes the prefix cache, then streams the same greedy workload (concurrent requests) and
+records every token's arrival time.
+
+    python -m kvguard.serve.bench_guard [--rounds 3] [--concurrency 16] [--max-new-tokens 64]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import aiohttp
+import requests
+
+MODES = ["off", "tags", "sampled", "paranoid"]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    def __init__(self, mode: str, args: list[str], workdir: Path, mode_file: Path | None):
+        self.port = _free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        env = {k: v for k, v in os.environ.items() if not k.startswith("KVGUARD_")}
+        if mode_file is not None:
+            env["KVGUARD_MODE_FILE"] = str(mode_file)
+        self.log = open(workdir / f"server-{mode}.log", "w")
+        exe = Path(sys.executable).with_name("kvguard-serve")
+        cmd = [str(exe)] if exe.exists() else [sys.executable, "-m", "kvguard.serve.cli"]
+        self.proc = subprocess.Popen(
+            cmd + ["--kvguard-mode", mode, "--port", str(self.port), "--host", "127.0.0.1", *args],
+            stdout=self.log, stderr=subprocess.STDOUT, env=env, start_new_session=True,
+        )
+
+    def wait(self, timeout: float = 600):
+        t0 = time.time()
+        while time.time() - t0 < timeout:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited ({self.proc.returncode}); see {self.log.name}")
+            try:
+                if requests.get(f"{self.url}/health", timeout=2).status_code == 200:
+                    return
+            except requests.RequestException:
+                pass
+            time.sleep(1)
+        raise TimeoutError(f"server not ready in {timeout}s")
+
+    def flush(self):
+        requests.post(f"{self.url}/flush_cache", timeout=30)
+
+    def stop(self):
+        self.proc.terminate()
+        try:
+            self.proc.wait(60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+        self.log.close()
+
+
+async def _stream(session, url, prompt, max_new_tokens):
+    body = {"text": prompt, "stream": True,
+            "sampling_params": {"temperature": 0, "max_new_tokens": max_new_tokens, "ignore_eos": True}}
+    times, n_prev = [], 0
+    async with session.post(f"{url}/generate", json=body) as resp:
+        assert resp.status == 200, await resp.text()
+        async for raw in resp.content:
+            line = raw.decode().strip()
+            if not line.startswith("data:") or line == "data: [DONE]":
+                continue
+            n = json.loads(line[5:])["meta_info"]["completion_tokens"]
+            now = time.perf_counter()
+            times.extend([now] * (n - n_prev))
+            n_prev = n
+    return times
+
+
+async def run_round(url, prompts, max_new_tokens):
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=900)) as session:
+        t0 = time.perf_counter()
+        streams = await asyncio.gather(*[_stream(session, url, p, max_new_tokens) for p in prompts])
+        wall = time.perf_counter() - t0
+    tokens = sum(len(s) for s in streams)
+    itl = [b - a for s in streams for a, b in zip(s, s[1:])]
+    return {"tokens": tokens, "seconds": wall, "itl": itl}
+
+
+def workload(n: int) -> list[str]:
+    import random
+
+    rng = random.Random(0)
+    heads = ["def parse(self, text):\n", "import os\nimport sys\n\n", "class Cache(object):\n    "]
+    return [rng.choice(heads) + f"# request {i}: " + " ".join(str(rng.randint(0, 999)) for _ in range(rng.randint(8, 64)))
+            for i in range(n)]
+
+
+def pct(xs, q):
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else float("nan")
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--concurrency", type=int, default=16)
+    ap.add_argument("--max-new-tokens", type=int, default=64)
+    ap.add_argument("--model-path", default=None)
+    ap.add_argument("--out", default=None, help="write the results as JSON here")
+    ap.add_argument("server_args", nargs=argparse.REMAINDER, help="passed to kvguard-serve after --")
+    a = ap.parse_args(argv)
+    extra = [x for x in a.server_args if x != "--"]
+    if a.model_path:
+        extra += ["--model-path", a.model_path]
+    extra += ["--max-total-tokens", "8192", "--page-size", "16"]
+
+    work = Path(tempfile.mkdtemp(prefix="kvguard-bench-"))
+    mode_file = work / "mode"
+    mode_file.write_text("sampled")
+    base = Server("off", extra, work, None)
+    guarded = Server("sampled", extra, work, mode_file)
+    results = {m: [] for m in MODES}
+    try:
+        base.wait()
+        guarded.wait()
+        prompts = workload(a.concurrency)
+        for srv in (base, guarded):  # warm-up: first-touch costs out of the measurement
+            asyncio.run(run_round(srv.url, prompts[:4], 8))
+        for r in range(a.rounds):
+            for mode in MODES:
+                srv = base if mode == "off" else guarded
+                if srv is guarded:
+                    mode_file.write_text(mode)
+                srv.flush()  # every round starts from an empty prefix cache (and a reset ledger)
+                res = asyncio.run(run_round(srv.url, prompts, a.max_new_tokens))
+                results[mode].append(res)
+                print(f"round {r + 1} {mode:9s} {res['tokens'] / res['seconds']:8.1f} tok/s  "
+                      f"p50 ITL {1000 * pct(res['itl'], 0.5):6.2f} ms  p99 {1000 * pct(res['itl'], 0.99):6.2f} ms",
+                      flush=True)
+    finally:
+        base.stop()
+        guarded.stop()
+
+    summary = {}
+    for mode in MODES:
+        rs = results[mode]
+        tps = statistics.median(r["tokens"] / r["seconds"] for r in rs)
+        itl = [x for r in rs for x in r["itl"]]
+        summary[mode] = {"tok_s": tps, "itl_p50_ms": 1000 * pct(itl, 0.5), "itl_p99_ms": 1000 * pct(itl, 0.99)}
+    off = summary["off"]
+    print("\n| mode | tok/s (median of rounds) | vs off | ITL p50 ms | vs off | ITL p99 ms | vs off |")
+    print("|---|---|---|---|---|---|---|")
+    for mode, s in summary.items():
+        print(f"| {mode} | {s['tok_s']:.1f} | {s['tok_s'] / off['tok_s']:.3f} | {s['itl_p50_ms']:.2f} | "
+              f"{s['itl_p50_ms'] / off['itl_p50_ms']:.3f} | {s['itl_p99_ms']:.2f} | {s['itl_p99_ms'] / off['itl_p99_ms']:.3f} |")
+    if a.out:
+        Path(a.out).write_text(json.dumps({"summary": summary, "args": vars(a)}, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
