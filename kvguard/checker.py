@@ -52,7 +52,8 @@ class StepChecker:
         self.records = records
         self.config = config
         self.kv_buffers = list(kv_buffers)  # [k0, v0, k1, v1, ...] slot-major
-        self.sweep_cursor = 0
+        self.sweep_cursor = 0  # resting-pool sweep position (slots)
+        self.read_cursor = 0  # read-set window position (flattened batch x position grid)
         self.tokens_hashed = 0  # host counter of tokens checksummed (metrics)
 
     def _digests(self, slots: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -215,12 +216,24 @@ class StepChecker:
             bad = valid & tag_ok & R.sealed[r, pos] & (found != R.digest[r, pos])
             flag(bidx, bad, Kind.CHECKSUM_MISMATCH)
             taint.index_put_((page.reshape(-1),), bad.reshape(-1), accumulate=True)
+        elif self.config.mode is Mode.SAMPLED and self.config.sweep_tokens_per_step:
+            # Rolling window over this batch's read set: the KV about to be read is re-hashed
+            # first, so a read set within the budget is fully verified every step.
+            n = B * v.max_prefix_len
+            k = min(self.config.sweep_tokens_per_step, n)
+            idx = (torch.arange(k, device=dev) + self.read_cursor) % n
+            self.read_cursor = (self.read_cursor + k) % n
+            ws, wp, wb, wr = (t.reshape(-1)[idx] for t in (slots, pos, bidx, r))
+            ok = (valid & tag_ok).reshape(-1)[idx] & R.sealed[wr, wp]
+            bad = ok & (self._digests(ws, wp) != R.digest[wr, wp])
+            flag(wb, bad, Kind.CHECKSUM_MISMATCH)
+            taint.index_put_((torch.div(ws, ps, rounding_mode="floor"),), bad, accumulate=True)
         return bidx, valid, page
 
     def _sweep(self, step: int, taint: torch.Tensor):
         """Re-hash a rolling window of resting slots against their first-seal digests."""
         L, ps = self.ledger, self.ledger.page_size
-        n = min(self.config.sweep_tokens_per_step, L.num_slots)
+        n = min(max(self.config.sweep_tokens_per_step // 4, 1), L.num_slots)
         slots = (torch.arange(n, device=L.device) + self.sweep_cursor) % L.num_slots
         self.sweep_cursor = (self.sweep_cursor + n) % L.num_slots
         page = torch.div(slots, ps, rounding_mode="floor")
