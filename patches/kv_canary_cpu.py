@@ -47,8 +47,9 @@ def device_to_host(original, cls, xs_device, *, d2h_stream):
 def phase_update(original, checker, *, expect_phase, next_phase, caller_name=""):
     """``SimplePhaseChecker.update``: the kernel's check-and-advance, in torch on CPU."""
     if torch.device(checker._device).type != "cpu":
-        return original(checker, expect_phase=expect_phase, next_phase=next_phase,
-                        caller_name=caller_name)
+        return original(
+            checker, expect_phase=expect_phase, next_phase=next_phase, caller_name=caller_name
+        )
     if int(checker._enable_assert_device[0]) and int(checker._phase) != int(expect_phase):
         raise AssertionError(
             f"SimplePhaseChecker: phase mismatch (caller={caller_name!r} "

@@ -1,0 +1,301 @@
+"""A fault-injection campaign: for each configuration (guard mode x page size) start kvguard-serve
+with the fuzz plugin armed, run the workload once clean (the reference, and the mode's
+throughput), then again with the injection schedule fed to the control file wave by wave, and
+judge every request with the oracle.
+
+Guard modes: kvguard's ``off``, ``tags``, ``sampled``, ``paranoid``; and ``canary``: kvguard off,
+SGLang's own ``--kv-canary log`` on (it only logs: its detections are counted from its log lines).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from kvguard.fuzz.client import Response, run_wave
+from kvguard.fuzz.oracle import (
+    canary_flags,
+    classify,
+    guard_violations,
+    injections_from_log,
+    read_jsonl,
+)
+from kvguard.fuzz.server import ServeProcess, ServerDied
+from kvguard.fuzz.workload import Wave
+
+MODES = ("off", "tags", "sampled", "paranoid", "canary")
+
+
+@dataclass(frozen=True, slots=True)
+class Settings:
+    seed: int
+    classes: tuple[str, ...]
+    num_requests: int  # per pass, per configuration
+    num_injections: int  # per configuration
+    modes: tuple[str, ...]
+    page_sizes: tuple[int, ...]
+    out: Path
+    model_path: str | None = None
+    wave_size: int = 24
+    max_total_tokens: int = 2048
+    chunked_prefill_size: int = 64
+    canary_sweep_interval: int = 8
+    max_tries: int = 80
+
+
+@dataclass(slots=True)
+class ConfigRun:
+    mode: str
+    page_size: int
+    dir: Path
+    result: dict = field(default_factory=dict)
+
+    @property
+    def name(self) -> str:
+        return f"{self.mode}-ps{self.page_size}"
+
+
+def server_args(s: Settings, mode: str, page_size: int) -> list[str]:
+    args = [
+        "--page-size",
+        str(page_size),
+        "--max-total-tokens",
+        str(s.max_total_tokens),
+        "--chunked-prefill-size",
+        str(s.chunked_prefill_size),
+        "--log-format",
+        "json",
+        "--random-seed",
+        str(s.seed),
+        "--sleep-on-idle",
+        "--kvguard-mode",
+        "off" if mode == "canary" else mode,
+    ]
+    if mode == "canary":
+        args += [
+            "--kv-canary",
+            "log",
+            "--kv-canary-real-data",
+            "all",
+            "--kv-canary-sweep-interval",
+            str(s.canary_sweep_interval),
+        ]
+    if s.model_path:
+        args += ["--model-path", s.model_path]
+    return args
+
+
+class Runner:
+    """Runs one configuration; ``progress(n, stats)`` is told of every finished wave."""
+
+    def __init__(self, s: Settings, waves: list[Wave], progress=None):
+        self.s, self.waves, self.progress = s, waves, progress or (lambda n, stats: None)
+
+    # -- server lifecycle: a fresh control file per server instance (the plugin's "seen" set
+    # -- starts empty, so a restarted server must not see the entries already injected) ---------
+    def _start(self, run: ConfigRun) -> ServeProcess:
+        n = run.result.setdefault("server_starts", 0) + 1
+        run.result["server_starts"] = n
+        self.control = run.dir / f"control-{n}.json"
+        self.plan: list[dict] = []
+        self._write_plan()
+        env = {
+            "KVGUARD_FUZZ_CONTROL": str(self.control),
+            "KVGUARD_FUZZ_LOG": str(run.dir / "injections.jsonl"),
+        }
+        env.setdefault("OMP_NUM_THREADS", os.environ.get("OMP_NUM_THREADS", "1"))  # modest CPU use
+        if run.mode == "canary":
+            env["SGLANG_KV_CANARY_RING_CAPACITY"] = (
+                "65536"  # log every violation, not the first 1024
+            )
+        srv = ServeProcess(
+            server_args(self.s, run.mode, run.page_size), run.dir / "server.log", env
+        )
+        t0 = time.monotonic()
+        srv.start()
+        run.result.setdefault("start_seconds", []).append(round(time.monotonic() - t0, 1))
+        return srv
+
+    def _write_plan(self):
+        tmp = self.control.with_suffix(".tmp")
+        tmp.write_text(json.dumps({"plan": self.plan}))
+        os.replace(tmp, self.control)  # the plugin never sees a half-written file
+
+    def _append(self, entries: list[dict]):
+        if entries:
+            self.plan.extend(entries)
+            self._write_plan()
+
+    # -- one configuration --------------------------------------------------------------------
+    def run(self, mode: str, page_size: int) -> ConfigRun:
+        run = ConfigRun(mode, page_size, self.s.out / f"{mode}-ps{page_size}")
+        run.dir.mkdir(parents=True, exist_ok=True)
+        for name in ("server.log", "injections.jsonl"):
+            (run.dir / name).unlink(missing_ok=True)
+        res = run.result
+        res.update(mode=mode, page_size=page_size, deaths=[], waves=[])
+        try:
+            srv = self._start(run)
+        except ServerDied as e:
+            res["start_error"] = str(e)[-2000:]
+            return run
+        try:
+            reference, clean = self._clean_pass(run, srv)
+            srv.flush_cache()  # the injected pass starts from an empty prefix cache, as clean
+            srv, injected = self._injected_pass(run, srv)
+            res["idle_end"] = _idle(srv)
+        except ServerDied as e:
+            res["error"] = str(e)[-3000:]
+            return run
+        finally:
+            res["exit_code"] = srv.stop()
+        self._judge(run, reference, clean, injected)
+        return run
+
+    def _clean_pass(self, run: ConfigRun, srv: ServeProcess):
+        responses: list[Response] = []
+        t0 = time.monotonic()
+        for w in self.waves:
+            got = asyncio.run(run_wave(srv.url, w.requests, "c"))
+            responses += got
+            self.progress(len(got), {"cfg": run.name, "pass": "clean"})
+            if not srv.healthy():
+                raise ServerDied(
+                    f"{run.name}: server died in the clean pass (wave {w.index}):\n"
+                    + srv.log_tail()
+                )
+        wall = time.monotonic() - t0
+        scored = [r for r in responses if not r.client_abort]
+        tokens = sum(r.completion_tokens or 0 for r in scored if r.status == 200)
+        run.result["clean"] = {
+            "seconds": round(wall, 2),
+            "requests": len(responses),
+            "completion_tokens": tokens,
+            "tokens_per_s": round(tokens / wall, 2),
+            "requests_per_s": round(len(responses) / wall, 3),
+            "failed": sum(1 for r in scored if r.status != 200 or r.output_ids is None),
+            "guard_aborts": sum(1 for r in scored if r.violation),  # false aborts: no injection yet
+            "idle": _idle(srv),
+        }
+        reference = {r.key: r.output_ids for r in scored if r.status == 200 and r.violation is None}
+        return reference, responses
+
+    def _injected_pass(self, run: ConfigRun, srv: ServeProcess):
+        responses: list[Response] = []
+        inj_log = run.dir / "injections.jsonl"
+        t0 = time.monotonic()
+        for i, w in enumerate(self.waves):
+            for e in w.injections:
+                e["wave"] = w.index
+            wave = {
+                "wave": w.index,
+                "log_from": srv.log_size(),
+                "inj_from": _lines(inj_log),
+                "entries": [e["id"] for e in w.injections],
+            }
+            got = asyncio.run(
+                run_wave(
+                    srv.url,
+                    w.requests,
+                    "i",
+                    on_sent=lambda w=w: self._append([dict(e) for e in w.injections]),
+                )
+            )
+            responses += got
+            wave["alive"] = srv.healthy()
+            if wave["alive"]:
+                wave["idle"] = _idle(srv)
+            wave["log_to"], wave["inj_to"] = srv.log_size(), _lines(inj_log)
+            run.result["waves"].append(wave)
+            self.progress(len(got), {"cfg": run.name, "pass": "injected"})
+            if not wave["alive"]:
+                run.result["deaths"].append(
+                    {"wave": w.index, "exit_code": srv.proc.poll(), "log_tail": srv.log_tail(3000)}
+                )
+                srv.stop()
+                if i + 1 < len(self.waves):
+                    srv = self._start(run)  # the rest of the workload on a fresh server
+        run.result["injected_seconds"] = round(time.monotonic() - t0, 2)
+        return srv, responses
+
+    # -- judging ------------------------------------------------------------------------------
+    def _judge(
+        self, run: ConfigRun, reference: dict, clean: list[Response], injected: list[Response]
+    ):
+        res = run.result
+        planned = [e for w in self.waves for e in w.injections]
+        inj_events = read_jsonl(run.dir / "injections.jsonl")
+        injections = injections_from_log(inj_events, planned)
+        log_bytes = (run.dir / "server.log").read_bytes()
+        log_text = log_bytes.decode(errors="replace")
+        server_events = read_jsonl(run.dir / "server.log")
+        records, injections = classify(
+            reference, injected, injections, guard_violations(server_events)
+        )
+        for inj in injections.values():
+            inj["landed_wave"] = _landed_wave(inj["id"], inj_events, res["waves"])
+        if run.mode == "canary":
+            _canary_attribution(res, injections, log_bytes)
+        res["clean_guard_aborts"] = [r.rid for r in clean if r.violation]
+        res["memory_leak_warnings"] = log_text.count("memory leak detected")
+        res["guard_memory_check_warnings"] = sum(
+            1
+            for e in server_events
+            if e.get("event") == "kvguard_engine_memory_check_after_violations"
+        )
+        res["guard_errors"] = sum(
+            1
+            for e in server_events
+            if e.get("event", "").startswith("kvguard_") and e.get("event", "").endswith("_failed")
+        )
+        res["injector_errors"] = [e for e in inj_events if e.get("event") == "injector_error"][:20]
+        res["requests"] = records
+        res["injections"] = sorted(injections.values(), key=lambda x: x["id"])
+        for inj in res["injections"]:
+            inj["victims"] = sorted(inj["victims"])
+
+
+def _idle(srv: ServeProcess) -> dict:
+    try:
+        load = srv.wait_idle()
+    except Exception as e:  # noqa: BLE001 - an unanswered probe is recorded, not fatal
+        return {"error": f"{type(e).__name__}: {e}"}
+    return {
+        k: load.get(k)
+        for k in ("num_used_tokens", "num_running_reqs", "num_waiting_reqs", "max_total_num_tokens")
+    }
+
+
+def _lines(path: Path) -> int:
+    return len(path.read_text().splitlines()) if path.exists() else 0
+
+
+def _landed_wave(inj_id: int, events: list[dict], waves: list[dict]) -> int | None:
+    for n, ev in enumerate(events):
+        if ev.get("id") == inj_id and ev.get("event") in ("injected", "skipped"):
+            for w in waves:
+                if w["inj_from"] <= n < w["inj_to"]:
+                    return w["wave"]
+    return None
+
+
+def _canary_attribution(res: dict, injections: dict[int, dict], raw: bytes):
+    """SGLang's canary names a slot, not a request: count its violations per wave, and flag the
+    injections that landed in a wave with at least one."""
+    per_wave = {}
+    for w in res["waves"]:
+        per_wave[w["wave"]] = len(
+            canary_flags(raw[w["log_from"] : w["log_to"]].decode(errors="replace"))
+        )
+        w["canary_violations"] = per_wave[w["wave"]]
+    res["canary_violations_total"] = len(canary_flags(raw.decode(errors="replace")))
+    for inj in injections.values():
+        inj["canary_flagged"] = (
+            bool(per_wave.get(inj.get("landed_wave"), 0)) if inj["status"] == "injected" else False
+        )
+    quiet = [w for w in res["waves"] if not w["entries"]]
+    res["canary_violations_in_waves_without_injection"] = sum(w["canary_violations"] for w in quiet)

@@ -1,0 +1,194 @@
+"""``kvguard-fuzz`` / ``python -m kvguard.fuzz``: run a fault-injection campaign against
+kvguard-serve and write report.json, report.md and report.png.
+
+Example (a few minutes)::
+
+    kvguard-fuzz --seed 1 --guard-mode paranoid --page-size 16 --requests 100 --injections 10 \\
+        --out runs/fuzz-1
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import shlex
+import sys
+import time
+from importlib.metadata import PackageNotFoundError, version
+from pathlib import Path
+
+from kvguard.fuzz.campaign import MODES, Runner, Settings
+from kvguard.fuzz.injectors import INJECTORS
+from kvguard.fuzz.report import write_all
+from kvguard.fuzz.workload import build_workload, schedule_injections
+
+
+def _list(values: list[str] | None, cast=str) -> list:
+    out = []
+    for v in values or []:
+        out += [cast(x.strip()) for x in v.split(",") if x.strip()]
+    return out
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="kvguard-fuzz", description=__doc__.split("\n\n")[0])
+    p.add_argument("--seed", type=int, default=0, help="workload and injection schedule seed")
+    p.add_argument(
+        "--classes",
+        action="append",
+        help="bug classes to inject, comma list (default: all): " + ", ".join(INJECTORS),
+    )
+    p.add_argument("--requests", type=int, default=200, help="requests per pass per configuration")
+    p.add_argument("--injections", type=int, default=20, help="injections per configuration")
+    p.add_argument(
+        "--guard-mode",
+        action="append",
+        help=f"{'|'.join(MODES)}; repeat or comma list (default: paranoid)",
+    )
+    p.add_argument(
+        "--page-size", action="append", help="1 and/or 16; repeat or comma list (default 16)"
+    )
+    p.add_argument(
+        "--out", type=Path, default=None, help="output directory (default runs/fuzz-<seed>)"
+    )
+    p.add_argument("--model-path", help="model directory (default: kvguard-serve's embedded model)")
+    p.add_argument(
+        "--wave-size", type=int, default=24, help="concurrent requests per wave (~2/3..4/3 of it)"
+    )
+    p.add_argument(
+        "--max-total-tokens",
+        type=int,
+        default=2048,
+        help="KV pool size (small: eviction, retraction)",
+    )
+    p.add_argument("--chunked-prefill-size", type=int, default=64)
+    p.add_argument(
+        "--canary-sweep-interval",
+        type=int,
+        default=8,
+        help="--kv-canary-sweep-interval (mode canary)",
+    )
+    p.add_argument(
+        "--max-tries",
+        type=int,
+        default=80,
+        help="scheduler steps an injection waits for a fitting moment",
+    )
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    return p
+
+
+def settings_from(args: argparse.Namespace) -> Settings:
+    classes = _list(args.classes) or list(INJECTORS)
+    unknown = [c for c in classes if c not in INJECTORS]
+    modes = _list(args.guard_mode) or ["paranoid"]
+    bad_modes = [m for m in modes if m not in MODES]
+    page_sizes = _list(args.page_size, int) or [16]
+    if unknown:
+        raise SystemExit(
+            f"kvguard-fuzz: error: unknown classes {unknown}; known: {list(INJECTORS)}"
+        )
+    if bad_modes:
+        raise SystemExit(
+            f"kvguard-fuzz: error: unknown guard modes {bad_modes}; known: {list(MODES)}"
+        )
+    return Settings(
+        seed=args.seed,
+        classes=tuple(classes),
+        num_requests=args.requests,
+        num_injections=args.injections,
+        modes=tuple(dict.fromkeys(modes)),
+        page_sizes=tuple(dict.fromkeys(page_sizes)),
+        out=args.out or Path("runs") / f"fuzz-{args.seed}",
+        model_path=args.model_path,
+        wave_size=args.wave_size,
+        max_total_tokens=args.max_total_tokens,
+        chunked_prefill_size=args.chunked_prefill_size,
+        canary_sweep_interval=args.canary_sweep_interval,
+        max_tries=args.max_tries,
+    )
+
+
+def versions() -> dict[str, str]:
+    out = {"python": platform.python_version()}
+    for dist in ("kvguard", "sglang", "torch"):
+        try:
+            out[dist] = version(dist)
+        except PackageNotFoundError:
+            out[dist] = "not installed"
+    return out
+
+
+def model_identity(model_path: str | None) -> dict:
+    """Which weights were served: the path and a digest of the safetensors files."""
+    import hashlib
+
+    if model_path is None:
+        from kvguard.serve.default_model import DEFAULT_MODEL_DIR
+
+        model_path = str(DEFAULT_MODEL_DIR)
+    h = hashlib.sha256()
+    for f in sorted(Path(model_path).glob("*.safetensors")):
+        h.update(f.read_bytes())
+    return {"path": model_path, "safetensors_sha256": h.hexdigest()[:16]}
+
+
+def run_campaign(s: Settings, progress: bool = True, command: str = "") -> dict:
+    s.out.mkdir(parents=True, exist_ok=True)
+    configs = [(m, ps) for m in s.modes for ps in s.page_sizes]
+    total = 2 * s.num_requests * len(configs)
+    bar = None
+    if progress:
+        from tqdm import tqdm
+
+        bar = tqdm(total=total, unit="req", dynamic_ncols=True, file=sys.stderr)
+
+    def tick(n, stats):
+        if bar is not None:
+            bar.set_description(f"{stats['cfg']} {stats['pass']}")
+            bar.update(n)
+
+    t0 = time.monotonic()
+    report = {
+        "kvguard_fuzz_report": 1,
+        "seed": s.seed,
+        "command": command,
+        "model": model_identity(s.model_path),
+        "versions": versions(),
+        "settings": _fields(s),
+        "configs": [],
+    }
+    for mode, ps in configs:
+        waves = build_workload(s.seed, s.num_requests, s.wave_size)
+        schedule_injections(s.seed, waves, s.num_injections, list(s.classes), s.max_tries)
+        if mode == configs[0][0] and ps == configs[0][1]:
+            report["schedule"] = [e for w in waves for e in w.injections]
+        run = Runner(s, waves, tick).run(mode, ps)
+        report["configs"].append(run.result)
+        report["wall_seconds"] = round(time.monotonic() - t0, 1)
+        write_all(report, s.out)  # after every configuration: a partial campaign still reports
+    if bar is not None:
+        bar.close()
+    return report
+
+
+def _fields(s: Settings) -> dict:
+    from dataclasses import fields
+
+    out = {}
+    for f in fields(s):
+        v = getattr(s, f.name)
+        out[f.name] = list(v) if isinstance(v, tuple) else str(v) if isinstance(v, Path) else v
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    s = settings_from(args)
+    command = "kvguard-fuzz " + shlex.join(sys.argv[1:] if argv is None else argv)
+    report = run_campaign(s, progress=not args.no_progress, command=command)
+    print((s.out / "report.md").resolve())
+    bad = [c for c in report["configs"] if c["mode"] not in ("off", "canary") and c["verdict"]]
+    for c in bad:
+        print(f"{c['mode']} ps{c['page_size']}: " + "; ".join(c["verdict"]), file=sys.stderr)
+    return 1 if bad else 0

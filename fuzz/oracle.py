@@ -1,0 +1,201 @@
+"""The oracle: what reached each client, judged against the clean reference run.
+
+Request outcomes (requests the client itself dropped are ``client_abort`` and not scored):
+
+- ``clean``: output identical to the reference, token for token;
+- ``detected``: aborted by kvguard and in the victim set of an injection;
+- ``escaped``: completed, output differs from the reference (victim or not);
+- ``false_abort``: aborted by kvguard but no injection touched its KV;
+- ``error``: no answer or another failure (server death, timeout);
+- ``no_reference``: the reference run has no output to compare with.
+
+Injection outcomes: ``detected`` (some victim aborted by kvguard), ``escaped`` (some victim
+served a wrong output, none aborted), ``masked`` (victims served the reference output: the
+corruption did not change a greedy token), ``unscored`` (its only victims were dropped by their
+client or failed), ``no_victim`` (the KV it touched was never read by a request still running),
+``skipped`` (no fitting moment within max_tries steps), ``not_run`` (still queued when the
+configuration ended), ``injector_error``.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections import Counter, defaultdict
+from pathlib import Path
+
+from kvguard.fuzz.client import Response
+
+REQUEST_OUTCOMES = (
+    "clean",
+    "detected",
+    "escaped",
+    "false_abort",
+    "error",
+    "no_reference",
+    "client_abort",
+)
+INJECTION_OUTCOMES = (
+    "detected",
+    "escaped",
+    "masked",
+    "unscored",
+    "no_victim",
+    "skipped",
+    "not_run",
+    "injector_error",
+)
+CANARY_LINE = re.compile(r"kv_canary violation: .*slot_idx=(\d+) position=(\d+)")
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    out = []
+    if path.exists():
+        for line in path.read_text(errors="replace").splitlines():
+            if line.startswith("{"):
+                try:
+                    out.append(json.loads(line))
+                except ValueError:
+                    pass
+    return out
+
+
+def injections_from_log(events: list[dict], planned: list[dict]) -> dict[int, dict]:
+    """Fold the plugin's log (injected / victims / landed / skipped) into one record per entry."""
+    out = {
+        e["id"]: {
+            "id": e["id"],
+            "cls": e["cls"],
+            "wave": e.get("wave"),
+            "status": "not_run",
+            "at_step": None,
+            "victims": {},
+            "detail": None,
+        }
+        for e in planned
+    }
+    for ev in events:
+        rec = out.get(ev.get("id"))
+        if rec is None:
+            if ev.get("event") == "injector_error":
+                for r in out.values():  # an injector error names no entry: the queue head
+                    if r["status"] == "not_run":
+                        r["status"], r["detail"] = "injector_error", ev.get("error")
+                        break
+            continue
+        kind = ev.get("event")
+        if kind == "skipped":
+            rec["status"] = "skipped"
+        elif kind in ("injected", "victims", "landed"):
+            if kind == "injected":
+                rec["status"], rec["at_step"], rec["detail"] = (
+                    "injected",
+                    ev.get("at_step"),
+                    ev.get("detail"),
+                )
+            for rid in ev.get("victims", []):
+                rec["victims"].setdefault(rid, ev.get("at_step"))  # first step it was a victim
+            if kind == "landed":
+                rec["detail"] = ev.get("detail")
+    return out
+
+
+def guard_violations(server_log_events: list[dict]) -> dict[str, dict]:
+    """kvguard's ``kv_integrity_violation`` log events by request id (first one wins)."""
+    out: dict[str, dict] = {}
+    for ev in server_log_events:
+        if ev.get("event") == "kv_integrity_violation" and ev.get("request"):
+            out.setdefault(ev["request"], ev)
+    return out
+
+
+def classify(
+    reference: dict[str, list[int] | None],
+    responses: list[Response],
+    injections: dict[int, dict],
+    violations: dict[str, dict],
+) -> tuple[list[dict], dict]:
+    """Per-request records and per-injection outcomes (the latter updated in ``injections``)."""
+    victim_of: dict[str, list[int]] = defaultdict(list)
+    for inj in injections.values():
+        for rid in inj["victims"]:
+            victim_of[rid].append(inj["id"])
+    records = []
+    for r in responses:
+        ids = victim_of.get(r.rid, [])
+        ref = reference.get(r.key)
+        guard_abort = r.violation is not None
+        if r.client_abort:
+            outcome = "client_abort"
+        elif guard_abort:
+            outcome = "detected" if ids else "false_abort"
+        elif r.status != 200 or r.output_ids is None:
+            outcome = "error"
+        elif ref is None:
+            outcome = "no_reference"
+        else:
+            outcome = "clean" if r.output_ids == ref else "escaped"
+        rec = {
+            "rid": r.rid,
+            "key": r.key,
+            "wave": r.wave,
+            "outcome": outcome,
+            "victim_of": ids,
+            "classes": sorted({injections[i]["cls"] for i in ids}),
+            "status": r.status,
+            "guard_aborted": guard_abort,
+            "violation": r.violation,
+            "latency_s": round(r.latency_s, 3),
+            "prompt_tokens": r.prompt_tokens,
+            "completion_tokens": r.completion_tokens,
+        }
+        if outcome == "escaped" and ref is not None:
+            rec["first_diff"] = next(
+                (i for i, (a, b) in enumerate(zip(r.output_ids, ref)) if a != b),
+                min(len(r.output_ids), len(ref)),
+            )
+        if outcome in ("error", "false_abort") and r.error:
+            rec["error"] = r.error[:500]
+        ev = violations.get(r.rid)
+        if ev is not None:
+            rec["guard_step"], rec["guard_kinds"] = ev.get("step"), ev.get("kinds")
+            lags = [
+                ev["step"] - injections[i]["victims"][r.rid]
+                for i in ids
+                if isinstance(ev.get("step"), int)
+                and injections[i]["victims"].get(r.rid) is not None
+            ]
+            if lags:
+                rec["steps_to_abort"] = min(lags)
+        records.append(rec)
+
+    by_rid = {rec["rid"]: rec for rec in records}
+    for inj in injections.values():
+        if inj["status"] != "injected":
+            inj["outcome"] = inj["status"]
+            continue
+        victims = [by_rid[v] for v in inj["victims"] if v in by_rid]
+        seen = Counter(v["outcome"] for v in victims)
+        if any(v["guard_aborted"] for v in victims):  # a dropped request aborted first counts too
+            inj["outcome"] = "detected"
+        elif seen["escaped"]:
+            inj["outcome"] = "escaped"
+        elif seen["clean"]:
+            inj["outcome"] = "masked"
+        elif victims:
+            inj["outcome"] = "unscored"
+        else:
+            inj["outcome"] = "no_victim"
+        inj["victim_outcomes"] = dict(seen)
+        lags = [
+            by_rid[v]["steps_to_abort"]
+            for v in inj["victims"]
+            if v in by_rid and "steps_to_abort" in by_rid[v]
+        ]
+        inj["steps_to_abort"] = min(lags) if lags else None
+    return records, injections
+
+
+def canary_flags(log_text: str) -> list[tuple[int, int]]:
+    """(slot, position) of every violation SGLang's kv-canary logged."""
+    return [(int(m.group(1)), int(m.group(2))) for m in CANARY_LINE.finditer(log_text)]

@@ -1,0 +1,345 @@
+"""Campaign reports: ``report.json`` (everything), ``report.md`` (verdicts, detection matrix,
+throughput), ``report.png`` (the detection matrix as bars, drawn with PIL)."""
+
+from __future__ import annotations
+
+import json
+import statistics
+from collections import Counter
+from pathlib import Path
+
+from kvguard.fuzz.oracle import INJECTION_OUTCOMES, REQUEST_OUTCOMES
+
+
+def summarize(cfg: dict) -> dict:
+    """Per-configuration counts: request outcomes, injection outcomes per class, lags."""
+    reqs, injs = cfg.get("requests", []), cfg.get("injections", [])
+    by_class: dict[str, Counter] = {}
+    lags: dict[str, list[int]] = {}
+    for inj in injs:
+        by_class.setdefault(inj["cls"], Counter())[inj["outcome"]] += 1
+        if inj.get("canary_flagged"):
+            by_class[inj["cls"]]["canary_flagged"] += 1
+        if inj.get("steps_to_abort") is not None:
+            lags.setdefault(inj["cls"], []).append(inj["steps_to_abort"])
+    outcomes = Counter(r["outcome"] for r in reqs)
+    idle_used = [
+        w["idle"].get("num_used_tokens")
+        for w in cfg.get("waves", [])
+        if isinstance(w.get("idle"), dict)
+    ]
+    end_used = (cfg.get("idle_end") or {}).get("num_used_tokens")
+    return {
+        "requests": {k: outcomes.get(k, 0) for k in REQUEST_OUTCOMES},
+        "escapes_from_victims": sum(
+            1 for r in reqs if r["outcome"] == "escaped" and r["victim_of"]
+        ),
+        "escapes_unattributed": sum(
+            1 for r in reqs if r["outcome"] == "escaped" and not r["victim_of"]
+        ),
+        "injections": {k: sum(c.get(k, 0) for c in by_class.values()) for k in INJECTION_OUTCOMES},
+        "by_class": {k: dict(v) for k, v in sorted(by_class.items())},
+        "steps_to_abort": {
+            k: {"median": statistics.median(v), "max": max(v), "n": len(v)}
+            for k, v in sorted(lags.items())
+        },
+        "server_deaths": len(cfg.get("deaths", [])),
+        "clean_pass_guard_aborts": len(cfg.get("clean_guard_aborts", [])),
+        "idle_used_tokens_max": max((u for u in idle_used if u is not None), default=None),
+        "idle_used_tokens_end": end_used,
+        "memory_leak_warnings": cfg.get("memory_leak_warnings", 0),
+    }
+
+
+def verdict(cfg: dict) -> list[str]:
+    """What makes a guarded configuration fail: escapes, false aborts, deaths, leaks."""
+    s = cfg["summary"]
+    bad = []
+    if cfg.get("error") or cfg.get("start_error"):
+        bad.append("configuration did not complete")
+    if s["requests"]["escaped"]:
+        bad.append(f"{s['requests']['escaped']} escaped")
+    if s["requests"]["false_abort"] or s["clean_pass_guard_aborts"]:
+        bad.append(f"{s['requests']['false_abort'] + s['clean_pass_guard_aborts']} false aborts")
+    if s["requests"]["error"]:
+        bad.append(f"{s['requests']['error']} failed requests")
+    if s["server_deaths"]:
+        bad.append(f"{s['server_deaths']} server deaths")
+    if s["idle_used_tokens_end"]:
+        bad.append(f"{s['idle_used_tokens_end']} KV tokens held when idle")
+    return bad
+
+
+def write_all(report: dict, out: Path) -> None:
+    for cfg in report["configs"]:
+        cfg["summary"] = summarize(cfg)
+        cfg["verdict"] = verdict(cfg)
+    report["totals"] = _totals(report["configs"])
+    (out / "report.json").write_text(json.dumps(report, indent=1, default=str))
+    (out / "report.md").write_text(markdown(report))
+    draw_png(report, out / "report.png")
+
+
+def _totals(configs: list[dict]) -> dict:
+    t: Counter = Counter()
+    for c in configs:
+        s = c["summary"]
+        t["requests_scored"] += sum(v for k, v in s["requests"].items() if k != "client_abort")
+        t["clean_requests"] += s["requests"]["clean"] + (c.get("clean") or {}).get("requests", 0)
+        t["injections_run"] += sum(
+            v for k, v in s["injections"].items() if k not in ("skipped", "not_run")
+        )
+        for k in ("escaped", "false_abort", "detected", "error"):
+            t[k] += s["requests"][k]
+        t["server_deaths"] += s["server_deaths"]
+    return dict(t)
+
+
+# -- markdown -------------------------------------------------------------------------------------
+def markdown(report: dict) -> str:
+    s, model = report["settings"], report.get("model") or {}
+    lines = [
+        "# kvguard fault-injection campaign",
+        "",
+        f"Seed {report['seed']}; model `{model.get('path')}` (safetensors sha256 "
+        f"{model.get('safetensors_sha256')}); "
+        f"{s['num_requests']} requests per pass, {s['num_injections']} injections per configuration, "
+        f"waves of ~{s['wave_size']}; pool {s['max_total_tokens']} tokens, chunked prefill "
+        f"{s['chunked_prefill_size']}. Wall time {report.get('wall_seconds', 0) / 60:.1f} min.",
+        "",
+        f"Command: `{report.get('command', '')}`",
+        "",
+        "Versions: " + ", ".join(f"{k} {v}" for k, v in report.get("versions", {}).items()),
+        "",
+        "## Verdict per configuration",
+        "",
+        "| configuration | scored requests | clean | detected | escaped | false aborts | errors | "
+        "server deaths | idle KV held (end) | verdict |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for c in report["configs"]:
+        r = c["summary"]["requests"]
+        scored = sum(v for k, v in r.items() if k != "client_abort")
+        fa = r["false_abort"] + c["summary"]["clean_pass_guard_aborts"]
+        ok = "ok" if not c["verdict"] else "; ".join(c["verdict"])
+        if c["mode"] in ("off", "canary") and c["verdict"]:
+            ok = "unguarded: " + ok
+        lines.append(
+            f"| {c['mode']} ps{c['page_size']} | {scored} | {r['clean']} | {r['detected']} | "
+            f"{r['escaped']} | {fa} | {r['error']} | {c['summary']['server_deaths']} | "
+            f"{c['summary']['idle_used_tokens_end']} | {ok} |"
+        )
+    lines += [
+        "",
+        "Requests the client dropped itself are not scored. An escape is a completed request "
+        "whose tokens differ from the clean run's; with the guard off a corrupted request can "
+        "still match by luck (counted clean), so the oracle compares outputs only.",
+        "",
+    ]
+    lines += ["## Detection matrix (injections by class and outcome)", ""]
+    for c in report["configs"]:
+        lines += _matrix(c)
+    lines += [
+        "## Throughput of the clean passes",
+        "",
+        "| configuration | requests | completion tokens | seconds | tokens/s | relative to off |",
+        "| --- | --- | --- | --- | --- | --- |",
+    ]
+    base = {
+        c["page_size"]: (c.get("clean") or {}).get("tokens_per_s")
+        for c in report["configs"]
+        if c["mode"] == "off"
+    }
+    for c in report["configs"]:
+        cl = c.get("clean") or {}
+        rel = ""
+        if base.get(c["page_size"]) and cl.get("tokens_per_s"):
+            rel = f"{cl['tokens_per_s'] / base[c['page_size']]:.2f}x"
+        lines.append(
+            f"| {c['mode']} ps{c['page_size']} | {cl.get('requests', '')} | "
+            f"{cl.get('completion_tokens', '')} | {cl.get('seconds', '')} | "
+            f"{cl.get('tokens_per_s', '')} | {rel} |"
+        )
+    lines += [
+        "",
+        "Throughput on a shared 2-core CPU box is noisy: compare modes within one campaign only.",
+        "",
+    ]
+    lines += _problems(report)
+    lines += [
+        "## Outcome definitions",
+        "",
+        "Injection outcomes: **detected** (a victim was aborted by kvguard), **escaped** (a victim "
+        "served a wrong output and none was aborted), **masked** (victims served the reference "
+        "output), **unscored** (its only victims were dropped by their client or failed), "
+        "**no_victim** (the touched KV was never read by a running request), **skipped** "
+        "(no fitting moment within max_tries scheduler steps), **not_run** (still queued at the end). "
+        "steps to abort: scheduler steps from the step a request became a victim to the step "
+        "kvguard flagged it. For `canary` (SGLang's kv-canary in log mode: it never aborts) "
+        "*canary flagged* counts injections that landed in a wave where the canary logged a violation.",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def _matrix(c: dict) -> list[str]:
+    s = c["summary"]
+    cols = list(INJECTION_OUTCOMES)
+    canary = c["mode"] == "canary"
+    head = (
+        "| class | "
+        + " | ".join(cols)
+        + (" | canary flagged" if canary else "")
+        + " | steps to abort (median/max) |"
+    )
+    out = [
+        f"### {c['mode']} ps{c['page_size']}",
+        "",
+        head,
+        "| --- " * (len(cols) + 2 + canary) + "|",
+    ]
+    for cls, counts in s["by_class"].items():
+        lag = s["steps_to_abort"].get(cls)
+        lag_s = f"{lag['median']:g}/{lag['max']}" if lag else ""
+        row = f"| {cls} | " + " | ".join(str(counts.get(k, 0)) for k in cols)
+        if canary:
+            row += f" | {counts.get('canary_flagged', 0)}"
+        out.append(row + f" | {lag_s} |")
+    tot = s["injections"]
+    out.append(
+        "| **all** | "
+        + " | ".join(f"**{tot.get(k, 0)}**" for k in cols)
+        + (
+            f" | **{sum(v.get('canary_flagged', 0) for v in s['by_class'].values())}**"
+            if canary
+            else ""
+        )
+        + " | |"
+    )
+    if canary:
+        out.append("")
+        out.append(
+            f"Canary violations logged: {c.get('canary_violations_total', 0)} "
+            f"({c.get('canary_violations_in_waves_without_injection', 0)} in waves without an injection)."
+        )
+    out.append("")
+    return out
+
+
+def _problems(report: dict) -> list[str]:
+    """Reproduction details for anything a guarded mode got wrong."""
+    out = []
+    for c in report["configs"]:
+        if c["mode"] in ("off", "canary"):
+            continue
+        bad = [
+            r for r in c.get("requests", []) if r["outcome"] in ("escaped", "false_abort", "error")
+        ]
+        if not bad and not c.get("deaths") and not c.get("error"):
+            continue
+        out += [f"### Problems in {c['mode']} ps{c['page_size']}", ""]
+        if c.get("error"):
+            out += ["```", c["error"][-1500:], "```"]
+        for r in bad[:20]:
+            out.append(
+                f"- {r['rid']} (wave {r['wave']}): {r['outcome']}; victim of {r['victim_of']} "
+                f"{r['classes']}; {r.get('error', '')[:200]}"
+            )
+        for d in c.get("deaths", []):
+            out += [
+                f"- server died after wave {d['wave']} (exit {d['exit_code']})",
+                "```",
+                d["log_tail"][-1200:],
+                "```",
+            ]
+        out.append("")
+    if out:
+        out = ["## Problems (guarded modes)", ""] + out
+    return out
+
+
+# -- png ------------------------------------------------------------------------------------------
+COLORS = {
+    "detected": (46, 160, 67),
+    "escaped": (218, 54, 51),
+    "masked": (160, 160, 160),
+    "unscored": (190, 200, 230),
+    "no_victim": (210, 210, 210),
+    "skipped": (240, 228, 180),
+    "not_run": (245, 245, 245),
+    "injector_error": (120, 60, 160),
+}
+
+
+def draw_png(report: dict, path: Path) -> None:
+    from PIL import Image, ImageDraw
+
+    configs = report["configs"]
+    classes = sorted({k for c in configs for k in c["summary"]["by_class"]})
+    label_w, bar_w, row_h, pad = 150, 260, 16, 12
+    num_w = 70
+    panel_h = 28 + row_h * (len(classes) + 1)
+    cols = min(3, max(1, len(configs)))
+    rows = -(-len(configs) // cols)
+    width = cols * (label_w + bar_w + num_w + pad * 2)
+    thr_h = 40 + 18 * len(configs)
+    height = rows * (panel_h + pad) + 40 + thr_h + 30
+    img = Image.new("RGB", (width, height), "white")
+    d = ImageDraw.Draw(img)
+    d.text(
+        (pad, 8),
+        f"kvguard fault-injection campaign, seed {report['seed']}: injections by class and outcome",
+        fill="black",
+    )
+    top = 30
+    for n, c in enumerate(configs):
+        x0 = (n % cols) * (label_w + bar_w + num_w + pad * 2) + pad
+        y0 = top + (n // cols) * (panel_h + pad)
+        s = c["summary"]
+        req = s["requests"]
+        d.text(
+            (x0, y0),
+            f"{c['mode']} ps{c['page_size']}: escaped {req['escaped']}, false aborts "
+            f"{req['false_abort']}, deaths {s['server_deaths']}",
+            fill="black",
+        )
+        most = (
+            max((sum(v.get(k, 0) for k in COLORS) for v in s["by_class"].values()), default=1) or 1
+        )
+        for i, cls in enumerate(classes):
+            y = y0 + 18 + i * row_h
+            d.text((x0, y + 2), cls, fill="black")
+            x = x0 + label_w
+            counts = s["by_class"].get(cls, {})
+            for k, color in COLORS.items():
+                w = round(bar_w * counts.get(k, 0) / most)
+                if w:
+                    d.rectangle([x, y + 2, x + w - 1, y + row_h - 3], fill=color)
+                    x += w
+            run = sum(
+                counts.get(k, 0) for k in ("detected", "escaped", "masked", "unscored", "no_victim")
+            )
+            d.text(
+                (x0 + label_w + bar_w + 6, y + 2),
+                f"{counts.get('detected', 0)}/{run} det, {counts.get('escaped', 0)} esc",
+                fill="black",
+            )
+    y = top + rows * (panel_h + pad)
+    x = pad
+    for k, color in COLORS.items():  # legend
+        d.rectangle([x, y + 2, x + 10, y + 12], fill=color, outline="black")
+        d.text((x + 14, y + 1), k, fill="black")
+        x += 24 + 7 * len(k)
+    y += 30
+    d.text((pad, y), "clean-pass throughput (completion tokens/s)", fill="black")
+    best = max(((c.get("clean") or {}).get("tokens_per_s") or 0 for c in configs), default=1) or 1
+    for i, c in enumerate(configs):
+        tps = (c.get("clean") or {}).get("tokens_per_s") or 0
+        yy = y + 18 + i * 18
+        d.text((pad, yy), f"{c['mode']} ps{c['page_size']}", fill="black")
+        w = round((width - label_w - 80) * tps / best)
+        d.rectangle(
+            [pad + label_w, yy + 2, pad + label_w + max(w, 1), yy + 13], fill=(70, 110, 190)
+        )
+        d.text((pad + label_w + w + 6, yy + 1), f"{tps:.1f}", fill="black")
+    img.save(path)

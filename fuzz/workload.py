@@ -1,0 +1,168 @@
+"""The campaign's workload and injection schedule, both a pure function of the seed.
+
+Workload: waves of concurrent /generate requests (greedy, so a clean run is a reference). Prompts
+are slices of Python standard-library source (what kvguard's default model was trained on), with
+the shapes that make a KV cache work hard:
+
+- shared headers: several requests of a wave open with the same module header (prefix sharing
+  between requests in flight);
+- multi-turn conversations: a later wave extends an earlier prompt (prefix-cache hits on KV
+  written in an earlier wave, or on its evicted remains);
+- mixed lengths, many longer than the chunked-prefill size, more KV in flight than the pool holds
+  (eviction, retraction);
+- client aborts: a few streamed requests the client drops mid-flight (not scored).
+
+Schedule: ``num_injections`` entries spread over the waves, classes dealt round-robin from a
+seeded shuffle so every class gets its share. Every configuration of a campaign (guard mode, page
+size) runs the same workload and the same schedule.
+"""
+
+from __future__ import annotations
+
+import random
+import sysconfig
+from dataclasses import dataclass, field
+from pathlib import Path
+
+# Files of the standard library the prompts are cut from (sorted lines, fixed list: the same
+# text for a seed on every machine with this Python).
+_SOURCES = (
+    "argparse.py",
+    "ast.py",
+    "calendar.py",
+    "collections/__init__.py",
+    "configparser.py",
+    "csv.py",
+    "dataclasses.py",
+    "difflib.py",
+    "enum.py",
+    "fractions.py",
+    "functools.py",
+    "gettext.py",
+    "heapq.py",
+    "inspect.py",
+    "ipaddress.py",
+    "json/decoder.py",
+    "logging/__init__.py",
+    "pathlib.py",
+    "pprint.py",
+    "shlex.py",
+    "statistics.py",
+    "string.py",
+    "textwrap.py",
+    "tokenize.py",
+    "typing.py",
+    "uuid.py",
+    "zipfile.py",
+)
+MAX_NEW_TOKENS = (4, 8, 8, 12, 16, 16, 24, 32)
+
+
+@dataclass(frozen=True, slots=True)
+class RequestSpec:
+    key: str  # unique in the workload; the request id is "<pass>-<key>"
+    wave: int
+    text: str
+    max_new_tokens: int
+    conversation: int | None = None  # multi-turn: same conversation, later turn extends earlier
+    turn: int = 0
+    cancel_after_chunks: int | None = None  # client abort: drop the stream after N chunks
+
+
+@dataclass(slots=True)
+class Wave:
+    index: int
+    requests: list[RequestSpec] = field(default_factory=list)
+    injections: list[dict] = field(default_factory=list)  # control-file plan entries
+
+
+def _corpus() -> list[list[str]]:
+    root = Path(sysconfig.get_paths()["stdlib"])
+    files = []
+    for name in _SOURCES:
+        path = root / name
+        if path.is_file():
+            lines = [ln for ln in path.read_text(errors="replace").splitlines() if ln.strip()]
+            if len(lines) > 80:
+                files.append(lines)
+    if not files:
+        raise RuntimeError(f"no prompt source found under {root}")
+    return files
+
+
+def _snippet(rng: random.Random, corpus: list[list[str]], min_chars: int, max_chars: int) -> str:
+    lines = rng.choice(corpus)
+    want = rng.randint(min_chars, max_chars)
+    i = rng.randrange(len(lines) - 40)
+    out: list[str] = []
+    while sum(len(x) + 1 for x in out) < want and i < len(lines):
+        out.append(lines[i])
+        i += 1
+    return "\n".join(out)[:want] + "\n"
+
+
+def build_workload(seed: int, num_requests: int, wave_size: int = 24) -> list[Wave]:
+    """``num_requests`` requests in waves of about ``wave_size`` (16..32 around it)."""
+    rng = random.Random(f"kvguard-fuzz-workload-{seed}")
+    corpus = _corpus()
+    headers = [_snippet(rng, corpus, 100, 320) for _ in range(6)]  # shared module headers
+    open_convs: list[tuple[int, str, int]] = []  # (conversation, prompt so far, turn)
+    waves: list[Wave] = []
+    next_conv = 0
+    made = 0
+    while made < num_requests:
+        w = Wave(len(waves))
+        size = min(num_requests - made, max(1, rng.randint(wave_size * 2 // 3, wave_size * 4 // 3)))
+        later: list[tuple[int, str, int]] = []
+        for j in range(size):
+            kind = rng.random()
+            conv, turn = None, 0
+            if kind < 0.35 and open_convs:  # next turn of an earlier conversation
+                conv, prev, turn = open_convs.pop(rng.randrange(len(open_convs)))
+                turn += 1
+                text = prev + _snippet(rng, corpus, 20, 100) + _snippet(rng, corpus, 20, 150)
+            elif kind < 0.70:  # shared header + own tail
+                text = rng.choice(headers) + _snippet(rng, corpus, 20, 250)
+            else:  # unrelated one-shot, short to long (many above the chunked-prefill size)
+                text = _snippet(rng, corpus, 30, 800)
+            if conv is None and rng.random() < 0.4:
+                conv, next_conv = next_conv, next_conv + 1
+            if conv is not None and turn < 3 and len(text) < 1200:
+                later.append((conv, text, turn))
+            cancel = rng.randint(1, 3) if rng.random() < 0.06 else None
+            w.requests.append(
+                RequestSpec(
+                    f"w{w.index:03d}-{j:02d}",
+                    w.index,
+                    text,
+                    rng.choice(MAX_NEW_TOKENS),
+                    conv,
+                    turn,
+                    cancel,
+                )
+            )
+        open_convs.extend(later)
+        del open_convs[:-24]  # keep conversations recent enough for their prefix to be cached
+        waves.append(w)
+        made += size
+    return waves
+
+
+def schedule_injections(
+    seed: int, waves: list[Wave], num_injections: int, classes: list[str], max_tries: int = 80
+) -> None:
+    """Deal ``num_injections`` plan entries over the waves (at most a few per wave, never in the
+    first wave: it has no earlier conversation to hit)."""
+    rng = random.Random(f"kvguard-fuzz-schedule-{seed}")
+    if num_injections <= 0 or not classes:
+        return
+    eligible = waves[1:] or waves
+    deck: list[str] = []
+    for i in range(num_injections):
+        if not deck:
+            deck = list(classes)
+            rng.shuffle(deck)
+        w = eligible[i % len(eligible)]
+        w.injections.append(
+            {"id": i + 1, "cls": deck.pop(), "seed": rng.randrange(2**31), "max_tries": max_tries}
+        )
