@@ -77,17 +77,26 @@ class Guard:
         self.checker.after_forward(view)
         self._account(t0)
 
-    def resolve(self, verdict: StepVerdict, handles: list[object]) -> list[Violation]:
-        """Read a step's verdict (the caller has synced) and act on it. Returns the violations."""
+    def resolve(self, verdict: StepVerdict, handles: list[object], agree=None) -> list[Violation]:
+        """Read a step's verdict (the caller has synced) and act on it. Returns the violations.
+
+        ``agree(tensor) -> tensor``: with tensor parallelism each rank hashes its own KV heads, so
+        verdicts can differ; the adapter passes an all-reduce (bitwise OR) over the ranks so that
+        every rank aborts and quarantines exactly the same things."""
         t0 = time.perf_counter()
-        summary = torch.cat((verdict.kinds, torch.stack((verdict.taint.any(), self._double_freed.any())).to(torch.int64))).cpu()
-        kinds, any_taint, any_double = summary[:-2], bool(summary[-2]), bool(summary[-1])
+        B = verdict.kinds.numel()
+        summary = torch.cat((verdict.kinds, verdict.taint.to(torch.int64),
+                             self._double_freed.any().to(torch.int64).reshape(1)))
+        if agree is not None:
+            summary = agree(summary)
+        summary = summary.cpu()
+        kinds, taint, any_double = summary[:B], summary[B:-1] > 0, bool(summary[-1])
         if any_double:
             self._report_double_free()
-        if not bool(kinds.any()) and not any_taint:
+        if not bool(kinds.any()) and not bool(taint.any()):
             self._account(t0)
             return []
-        bad_pages = torch.nonzero(verdict.taint).reshape(-1)
+        bad_pages = torch.nonzero(taint).reshape(-1)
         violations, bad_handles = [], []
         for b in torch.nonzero(kinds).reshape(-1).tolist():
             violations.append(self._forensics(verdict.view, b, Kind(int(kinds[b]))))

@@ -215,7 +215,7 @@ def around_process_batch_result(original, scheduler, batch, result, *args, **kwa
     if copy_done is not None:
         copy_done.synchronize()  # the sync SGLang does first thing anyway
     try:
-        _guard.resolve(verdict, handles=list(batch.reqs))
+        _guard.resolve(verdict, handles=list(batch.reqs), agree=_tp_agreement(scheduler))
     except Exception:  # the verdict could not be read: serve nothing unchecked from this step
         log.exception("kvguard_resolve_failed", step=verdict.view.step)
         control = _guard.actions.engine
@@ -239,6 +239,21 @@ def around_process_batch_result(original, scheduler, batch, result, *args, **kwa
     for req in aborted:
         release_aborted(scheduler, req)
     return out
+
+
+def _tp_agreement(scheduler):
+    """Bitwise-OR the verdict over the tensor-parallel ranks (one small CPU all-reduce per step,
+    only when tp_size > 1), so every rank aborts the same requests and the ranks never diverge."""
+    group = getattr(scheduler, "tp_cpu_group", None)
+    if getattr(scheduler, "tp_size", 1) <= 1 or group is None:
+        return None
+
+    def agree(summary: torch.Tensor) -> torch.Tensor:
+        out = summary.cpu().clone()
+        torch.distributed.all_reduce(out, op=torch.distributed.ReduceOp.BOR, group=group)
+        return out
+
+    return agree
 
 
 def release_aborted(scheduler, req):
