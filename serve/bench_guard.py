@@ -64,6 +64,16 @@ class Server:
             time.sleep(1)
         raise TimeoutError(f"server not ready in {timeout}s")
 
+    def guard_counters(self) -> tuple[float, float]:
+        """(kvguard_check_seconds_total, kvguard_steps_checked_total) summed over schedulers."""
+        text = requests.get(f"{self.url}/metrics", timeout=30).text
+        vals = {"kvguard_check_seconds_total": 0.0, "kvguard_steps_checked_total": 0.0}
+        for line in text.splitlines():
+            name = line.split("{")[0].split(" ")[0]
+            if name in vals:
+                vals[name] += float(line.rsplit(" ", 1)[1])
+        return vals["kvguard_check_seconds_total"], vals["kvguard_steps_checked_total"]
+
     def flush(self):
         requests.post(f"{self.url}/flush_cache", timeout=30)
 
@@ -149,10 +159,18 @@ def main(argv=None):
                 if srv is guarded:
                     mode_file.write_text(mode)
                 srv.flush()  # every round starts from an empty prefix cache (and a reset ledger)
+                before = guarded.guard_counters()
                 res = asyncio.run(run_round(srv.url, prompts, a.max_new_tokens))
+                after = guarded.guard_counters()
+                # Host time inside guard hooks during this round, as a share of the round's wall
+                # time: the scheduler is one thread, so this is what the guard adds to its steps.
+                res["guard_seconds"] = after[0] - before[0] if srv is guarded else 0.0
+                res["guard_steps"] = after[1] - before[1] if srv is guarded else 0.0
                 results[mode].append(res)
                 print(f"round {r + 1} {mode:9s} {res['tokens'] / res['seconds']:8.1f} tok/s  "
-                      f"p50 ITL {1000 * pct(res['itl'], 0.5):6.2f} ms  p99 {1000 * pct(res['itl'], 0.99):6.2f} ms",
+                      f"p50 ITL {1000 * pct(res['itl'], 0.5):6.2f} ms  p99 {1000 * pct(res['itl'], 0.99):6.2f} ms  "
+                      f"guard {100 * res['guard_seconds'] / res['seconds']:5.2f}% of wall "
+                      f"({1000 * res['guard_seconds'] / max(res['guard_steps'], 1):.3f} ms/step)",
                       flush=True)
     finally:
         base.stop()
@@ -163,13 +181,17 @@ def main(argv=None):
         rs = results[mode]
         tps = statistics.median(r["tokens"] / r["seconds"] for r in rs)
         itl = [x for r in rs for x in r["itl"]]
-        summary[mode] = {"tok_s": tps, "itl_p50_ms": 1000 * pct(itl, 0.5), "itl_p99_ms": 1000 * pct(itl, 0.99)}
+        gs = sum(r["guard_seconds"] for r in rs)
+        summary[mode] = {"tok_s": tps, "itl_p50_ms": 1000 * pct(itl, 0.5), "itl_p99_ms": 1000 * pct(itl, 0.99),
+                         "guard_share_of_wall": gs / sum(r["seconds"] for r in rs),
+                         "guard_ms_per_step": 1000 * gs / max(sum(r["guard_steps"] for r in rs), 1)}
     off = summary["off"]
-    print("\n| mode | tok/s (median of rounds) | vs off | ITL p50 ms | vs off | ITL p99 ms | vs off |")
-    print("|---|---|---|---|---|---|---|")
+    print("\n| mode | tok/s (median of rounds) | vs off | ITL p50 ms | vs off | ITL p99 ms | vs off | guard host time, share of wall | guard ms/step |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for mode, s in summary.items():
         print(f"| {mode} | {s['tok_s']:.1f} | {s['tok_s'] / off['tok_s']:.3f} | {s['itl_p50_ms']:.2f} | "
-              f"{s['itl_p50_ms'] / off['itl_p50_ms']:.3f} | {s['itl_p99_ms']:.2f} | {s['itl_p99_ms'] / off['itl_p99_ms']:.3f} |")
+              f"{s['itl_p50_ms'] / off['itl_p50_ms']:.3f} | {s['itl_p99_ms']:.2f} | {s['itl_p99_ms'] / off['itl_p99_ms']:.3f} | "
+              f"{100 * s['guard_share_of_wall']:.2f}% | {s['guard_ms_per_step']:.3f} |")
     if a.out:
         Path(a.out).write_text(json.dumps({"summary": summary, "args": vars(a)}, indent=2))
     return 0
