@@ -356,7 +356,10 @@ def around_match_prefix(original, cache, params, *args, **kwargs):
     req = getattr(params, "req", None)
     log.warning("kvguard_prefix_hit_refused", request=getattr(req, "rid", None),
                 prefix_len=result.device_prefix_len)
-    return zero_match_result(cache, result, extra_key=getattr(req, "extra_key", None))
+    miss = zero_match_result(cache, result, extra_key=getattr(req, "extra_key", None))
+    # zero_match_result keeps the walk's cache_protected_len; a miss protects nothing, else the
+    # request would later treat its own freshly computed prefix as the tree's.
+    return miss._replace(cache_protected_len=0) if miss.cache_protected_len is not None else miss
 
 
 # -- ReqToTokenPool.alloc_rows (AFTER) ---------------------------------------------------------------------
