@@ -62,13 +62,18 @@ def holders(sched, batch, slots: torch.Tensor) -> set[str]:
 
 
 def free_if_orphaned(sched, slots: torch.Tensor):
-    """Give slots back only if nothing holds them: not a live request, not the free list (someone,
-    e.g. a guard releasing an aborted request by its own records, may have freed them already)."""
+    """Give slots back only if nothing holds them: not a live request, not the free list, not the
+    prefix cache (someone, e.g. a guard releasing an aborted request by its own records, may have
+    freed them already, and under memory pressure they are soon reused and cached)."""
     alloc = sched.token_to_kv_pool_allocator
     free = alloc.get_all_free_pages() if hasattr(alloc, "get_all_free_pages") else alloc.free_pages
     pages = torch.unique(slots // alloc.page_size)
     if bool(torch.isin(pages, free).any()) or holders(sched, None, slots):
         return
+    tree = getattr(sched, "tree_cache", None)  # freed, reused, and now cached by the prefix tree
+    if tree is not None and hasattr(tree, "all_values_flatten"):
+        if bool(torch.isin(slots, tree.all_values_flatten().to(slots.device, torch.int64)).any()):
+            return
     alloc.free(slots)
 
 
@@ -143,7 +148,8 @@ def table_redirect(sched, batch, rng, step):
         free_if_orphaned(sched, torch.tensor([slot], dtype=torch.int64))
         return True
 
-    return Injection("table_redirect", step, {a.rid}, {"rid": a.rid, "pos": pos, "slot": target}, cleanup=tidy)
+    return Injection("table_redirect", step, {a.rid}, {"rid": a.rid, "pos": pos, "slot": target,
+                     "displaced": displaced}, cleanup=tidy)
 
 
 def table_swap(sched, batch, rng, step):
