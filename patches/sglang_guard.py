@@ -59,11 +59,18 @@ class SGLangControl:
 
         if req.finished():
             return  # already finished and released: nothing of it is served again
-        req.finished_reason = FINISH_ABORT(
-            violation.message, HTTPStatus.INTERNAL_SERVER_ERROR, "KVCacheIntegrityError"
-        )
+        reason = FINISH_ABORT(violation.message, HTTPStatus.INTERNAL_SERVER_ERROR, "KVCacheIntegrityError")
         req.skip_radix_cache_insert = True  # suspect KV never enters the prefix cache
         req.kvguard_violation = violation
+        sched = self.scheduler
+        if req is getattr(sched, "chunked_req", None):
+            # Mid chunked prefill: SGLang's own deferred path tears it down at the top of the
+            # next step (release without checkpoint, abort sent to the client).
+            req.discard_output_reason = reason
+            req.kvguard_released = True
+            sched._pending_chunked_abort_req = req
+            return
+        req.finished_reason = reason
 
     def withhold_pages(self, pages: torch.Tensor) -> int:
         alloc = self.scheduler.token_to_kv_pool_allocator

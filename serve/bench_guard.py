@@ -38,23 +38,31 @@ def _free_port() -> int:
 
 class Server:
     def __init__(self, mode: str, args: list[str], workdir: Path, mode_file: Path | None):
+        self.mode, self.args, self.workdir = mode, args, workdir
+        self.env = {k: v for k, v in os.environ.items() if not k.startswith("KVGUARD_")}
+        if mode_file is not None:
+            self.env["KVGUARD_MODE_FILE"] = str(mode_file)
+        self.start()
+
+    def start(self):
         self.port = _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        env = {k: v for k, v in os.environ.items() if not k.startswith("KVGUARD_")}
-        if mode_file is not None:
-            env["KVGUARD_MODE_FILE"] = str(mode_file)
-        self.log = open(workdir / f"server-{mode}.log", "w")
+        self.log = open(self.workdir / f"server-{self.mode}.log", "w")
         exe = Path(sys.executable).with_name("kvguard-serve")
         cmd = [str(exe)] if exe.exists() else [sys.executable, "-m", "kvguard.serve.cli"]
         self.proc = subprocess.Popen(
-            cmd + ["--kvguard-mode", mode, "--port", str(self.port), "--host", "127.0.0.1", *args],
-            stdout=self.log, stderr=subprocess.STDOUT, env=env, start_new_session=True,
+            cmd + ["--kvguard-mode", self.mode, "--port", str(self.port), "--host", "127.0.0.1", *self.args],
+            stdout=self.log, stderr=subprocess.STDOUT, env=self.env, start_new_session=True,
         )
 
-    def wait(self, timeout: float = 600):
+    def wait(self, timeout: float = 600, retries: int = 3):
         t0 = time.time()
         while time.time() - t0 < timeout:
             if self.proc.poll() is not None:
+                self.log.close()
+                if retries and "address already in use" in Path(self.log.name).read_text(errors="replace"):
+                    self.start()  # another process took the free port first: pick another
+                    return self.wait(timeout, retries - 1)
                 raise RuntimeError(f"server exited ({self.proc.returncode}); see {self.log.name}")
             try:
                 if requests.get(f"{self.url}/health", timeout=2).status_code == 200:
