@@ -45,6 +45,8 @@ class Settings:
     chunked_prefill_size: int = 64
     canary_sweep_interval: int = 8
     max_tries: int = 80
+    max_deaths: int = 3  # server deaths after which a configuration stops (each restart ~1 min)
+    configs: tuple[tuple[str, int], ...] = ()  # (mode, page size) in run order; default: all pairs
 
 
 @dataclass(slots=True)
@@ -134,7 +136,7 @@ class Runner:
     def run(self, mode: str, page_size: int) -> ConfigRun:
         run = ConfigRun(mode, page_size, self.s.out / f"{mode}-ps{page_size}")
         run.dir.mkdir(parents=True, exist_ok=True)
-        for name in ("server.log", "injections.jsonl"):
+        for name in ("server.log", "injections.jsonl", "clean.jsonl", "injected.jsonl"):
             (run.dir / name).unlink(missing_ok=True)
         res = run.result
         res.update(mode=mode, page_size=page_size, deaths=[], waves=[])
@@ -158,7 +160,7 @@ class Runner:
 
     def _clean_pass(self, run: ConfigRun, srv: ServeProcess):
         responses: list[Response] = []
-        t0 = time.monotonic()
+        t0, log_from = time.monotonic(), srv.log_size()
         for w in self.waves:
             got = asyncio.run(run_wave(srv.url, w.requests, "c"))
             responses += got
@@ -181,7 +183,14 @@ class Runner:
             "guard_aborts": sum(1 for r in scored if r.violation),  # false aborts: no injection yet
             "idle": _idle(srv),
         }
+        if run.mode == "canary":  # what the canary reports with nothing injected: false alarms
+            with open(srv.log, "rb") as f:
+                f.seek(log_from)
+                run.result["clean"]["canary_violations"] = len(
+                    canary_flags(f.read().decode(errors="replace"))
+                )
         reference = {r.key: r.output_ids for r in scored if r.status == 200 and r.violation is None}
+        _dump(run.dir / "clean.jsonl", responses)
         return reference, responses
 
     def _injected_pass(self, run: ConfigRun, srv: ServeProcess):
@@ -217,9 +226,13 @@ class Runner:
                     {"wave": w.index, "exit_code": srv.proc.poll(), "log_tail": srv.log_tail(3000)}
                 )
                 srv.stop()
+                if len(run.result["deaths"]) >= self.s.max_deaths:
+                    run.result["stopped_early"] = f"after {len(run.result['deaths'])} server deaths"
+                    break
                 if i + 1 < len(self.waves):
                     srv = self._start(run)  # the rest of the workload on a fresh server
         run.result["injected_seconds"] = round(time.monotonic() - t0, 2)
+        _dump(run.dir / "injected.jsonl", responses)
         return srv, responses
 
     # -- judging ------------------------------------------------------------------------------
@@ -270,6 +283,13 @@ def _idle(srv: ServeProcess) -> dict:
     }
 
 
+def _dump(path: Path, responses: list[Response]):
+    """Every client answer of a pass (output tokens included), for forensics."""
+    with open(path, "w") as f:
+        for r in responses:
+            f.write(json.dumps(r.as_dict()) + "\n")
+
+
 def _lines(path: Path) -> int:
     return len(path.read_text().splitlines()) if path.exists() else 0
 
@@ -292,7 +312,7 @@ def _canary_attribution(res: dict, injections: dict[int, dict], raw: bytes):
             canary_flags(raw[w["log_from"] : w["log_to"]].decode(errors="replace"))
         )
         w["canary_violations"] = per_wave[w["wave"]]
-    res["canary_violations_total"] = len(canary_flags(raw.decode(errors="replace")))
+    res["canary_violations_injected"] = sum(per_wave.values())
     for inj in injections.values():
         inj["canary_flagged"] = (
             bool(per_wave.get(inj.get("landed_wave"), 0)) if inj["status"] == "injected" else False

@@ -43,7 +43,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--guard-mode",
         action="append",
-        help=f"{'|'.join(MODES)}; repeat or comma list (default: paranoid)",
+        help=f"{'|'.join(MODES)}, each at every --page-size, or MODE@PS at one; repeat or comma "
+        "list (default: paranoid)",
     )
     p.add_argument(
         "--page-size", action="append", help="1 and/or 16; repeat or comma list (default 16)"
@@ -74,6 +75,9 @@ def parser() -> argparse.ArgumentParser:
         default=80,
         help="scheduler steps an injection waits for a fitting moment",
     )
+    p.add_argument(
+        "--max-deaths", type=int, default=3, help="server deaths after which a configuration stops"
+    )
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     return p
 
@@ -81,9 +85,14 @@ def parser() -> argparse.ArgumentParser:
 def settings_from(args: argparse.Namespace) -> Settings:
     classes = _list(args.classes) or list(INJECTORS)
     unknown = [c for c in classes if c not in INJECTORS]
-    modes = _list(args.guard_mode) or ["paranoid"]
-    bad_modes = [m for m in modes if m not in MODES]
     page_sizes = _list(args.page_size, int) or [16]
+    configs = []  # "mode" runs at every --page-size, "mode@16" at that page size only
+    for item in _list(args.guard_mode) or ["paranoid"]:
+        mode, _, ps = item.partition("@")
+        configs += [(mode, int(ps))] if ps else [(mode, p) for p in page_sizes]
+    configs = list(dict.fromkeys(configs))
+    modes = list(dict.fromkeys(m for m, _ in configs))
+    bad_modes = [m for m in modes if m not in MODES]
     if unknown:
         raise SystemExit(
             f"kvguard-fuzz: error: unknown classes {unknown}; known: {list(INJECTORS)}"
@@ -97,8 +106,9 @@ def settings_from(args: argparse.Namespace) -> Settings:
         classes=tuple(classes),
         num_requests=args.requests,
         num_injections=args.injections,
-        modes=tuple(dict.fromkeys(modes)),
-        page_sizes=tuple(dict.fromkeys(page_sizes)),
+        modes=tuple(modes),
+        page_sizes=tuple(dict.fromkeys(ps for _, ps in configs)),
+        configs=tuple(configs),
         out=args.out or Path("runs") / f"fuzz-{args.seed}",
         model_path=args.model_path,
         wave_size=args.wave_size,
@@ -106,6 +116,7 @@ def settings_from(args: argparse.Namespace) -> Settings:
         chunked_prefill_size=args.chunked_prefill_size,
         canary_sweep_interval=args.canary_sweep_interval,
         max_tries=args.max_tries,
+        max_deaths=args.max_deaths,
     )
 
 
@@ -135,7 +146,7 @@ def model_identity(model_path: str | None) -> dict:
 
 def run_campaign(s: Settings, progress: bool = True, command: str = "") -> dict:
     s.out.mkdir(parents=True, exist_ok=True)
-    configs = [(m, ps) for m in s.modes for ps in s.page_sizes]
+    configs = list(s.configs) or [(m, ps) for m in s.modes for ps in s.page_sizes]
     total = 2 * s.num_requests * len(configs)
     bar = None
     if progress:

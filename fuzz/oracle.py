@@ -159,11 +159,11 @@ def classify(
         ev = violations.get(r.rid)
         if ev is not None:
             rec["guard_step"], rec["guard_kinds"] = ev.get("step"), ev.get("kinds")
-            lags = [
-                ev["step"] - injections[i]["victims"][r.rid]
+            lags = [  # from the step the corruption was made (the plugin's and the guard's
+                # step counters both count forward passes from server start)
+                ev["step"] - injections[i]["at_step"]
                 for i in ids
-                if isinstance(ev.get("step"), int)
-                and injections[i]["victims"].get(r.rid) is not None
+                if isinstance(ev.get("step"), int) and injections[i]["at_step"] is not None
             ]
             if lags:
                 rec["steps_to_abort"] = min(lags)

@@ -57,6 +57,8 @@ def verdict(cfg: dict) -> list[str]:
     bad = []
     if cfg.get("error") or cfg.get("start_error"):
         bad.append("configuration did not complete")
+    if cfg.get("stopped_early"):
+        bad.append(f"stopped {cfg['stopped_early']}")
     if s["requests"]["escaped"]:
         bad.append(f"{s['requests']['escaped']} escaped")
     if s["requests"]["false_abort"] or s["clean_pass_guard_aborts"]:
@@ -174,7 +176,7 @@ def markdown(report: dict) -> str:
         "output), **unscored** (its only victims were dropped by their client or failed), "
         "**no_victim** (the touched KV was never read by a running request), **skipped** "
         "(no fitting moment within max_tries scheduler steps), **not_run** (still queued at the end). "
-        "steps to abort: scheduler steps from the step a request became a victim to the step "
+        "steps to abort: forward passes from the one the corruption was injected before to the one "
         "kvguard flagged it. For `canary` (SGLang's kv-canary in log mode: it never aborts) "
         "*canary flagged* counts injections that landed in a wave where the canary logged a violation.",
         "",
@@ -219,8 +221,12 @@ def _matrix(c: dict) -> list[str]:
     if canary:
         out.append("")
         out.append(
-            f"Canary violations logged: {c.get('canary_violations_total', 0)} "
-            f"({c.get('canary_violations_in_waves_without_injection', 0)} in waves without an injection)."
+            f"Canary violations logged in the clean pass: "
+            f"{(c.get('clean') or {}).get('canary_violations', 0)}; in the injected pass: "
+            f"{c.get('canary_violations_injected', 0)} "
+            f"({c.get('canary_violations_in_waves_without_injection', 0)} in waves without an "
+            "injection). The canary names a slot, not a request: an injection counts as flagged "
+            "when the canary logged a violation during the wave it landed in."
         )
     out.append("")
     return out

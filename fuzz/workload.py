@@ -56,6 +56,7 @@ _SOURCES = (
     "zipfile.py",
 )
 MAX_NEW_TOKENS = (4, 8, 8, 12, 16, 16, 24, 32)
+EXTEND_CLASSES = ("read_before_ready", "stale_prefix", "never_written")  # need a prefix-hit prefill
 
 
 @dataclass(frozen=True, slots=True)
@@ -158,11 +159,16 @@ def schedule_injections(
         return
     eligible = waves[1:] or waves
     deck: list[str] = []
+    ids = iter(range(1, num_injections + 1))
     for i in range(num_injections):
         if not deck:
             deck = list(classes)
             rng.shuffle(deck)
         w = eligible[i % len(eligible)]
         w.injections.append(
-            {"id": i + 1, "cls": deck.pop(), "seed": rng.randrange(2**31), "max_tries": max_tries}
+            {"id": 0, "cls": deck.pop(), "seed": rng.randrange(2**31), "max_tries": max_tries}
         )
+    for w in waves:  # the plugin injects in order: prefix-hit classes first, while prefills run
+        w.injections.sort(key=lambda e: e["cls"] not in EXTEND_CLASSES)
+        for e in w.injections:
+            e["id"] = next(ids)
