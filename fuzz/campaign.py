@@ -18,6 +18,7 @@ from pathlib import Path
 
 from kvguard.fuzz.client import Response, run_wave
 from kvguard.fuzz.oracle import (
+    TIE_MARGIN,
     canary_flags,
     classify,
     guard_violations,
@@ -46,6 +47,7 @@ class Settings:
     canary_sweep_interval: int = 8
     max_tries: int = 80
     max_deaths: int = 3  # server deaths after which a configuration stops (each restart ~1 min)
+    tie_margin: float = TIE_MARGIN
     configs: tuple[tuple[str, int], ...] = ()  # (mode, page size) in run order; default: all pairs
 
 
@@ -55,6 +57,7 @@ class ConfigRun:
     page_size: int
     dir: Path
     result: dict = field(default_factory=dict)
+    reference: dict = field(default_factory=dict)  # key -> clean-pass (output ids, top-2)
 
     @property
     def name(self) -> str:
@@ -189,7 +192,12 @@ class Runner:
                 run.result["clean"]["canary_violations"] = len(
                     canary_flags(f.read().decode(errors="replace"))
                 )
-        reference = {r.key: r.output_ids for r in scored if r.status == 200 and r.violation is None}
+        reference = {
+            r.key: (r.output_ids, r.top2)
+            for r in scored
+            if r.status == 200 and r.violation is None and r.output_ids is not None
+        }
+        run.reference = reference
         _dump(run.dir / "clean.jsonl", responses)
         return reference, responses
 
@@ -247,7 +255,7 @@ class Runner:
         log_text = log_bytes.decode(errors="replace")
         server_events = read_jsonl(run.dir / "server.log")
         records, injections = classify(
-            reference, injected, injections, guard_violations(server_events)
+            reference, injected, injections, guard_violations(server_events), self.s.tie_margin
         )
         for inj in injections.values():
             inj["landed_wave"] = _landed_wave(inj["id"], inj_events, res["waves"])

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import platform
 import shlex
+import subprocess
 import sys
 import time
 from importlib.metadata import PackageNotFoundError, version
@@ -19,6 +20,7 @@ from pathlib import Path
 
 from kvguard.fuzz.campaign import MODES, Runner, Settings
 from kvguard.fuzz.injectors import INJECTORS
+from kvguard.fuzz.oracle import TIE_MARGIN, compare
 from kvguard.fuzz.report import write_all
 from kvguard.fuzz.workload import build_workload, schedule_injections
 
@@ -78,6 +80,13 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--max-deaths", type=int, default=3, help="server deaths after which a configuration stops"
     )
+    p.add_argument(
+        "--tie-margin",
+        type=float,
+        default=TIE_MARGIN,
+        help="nats: a first divergence where both runs' two best tokens are this close is a "
+        "near tie (rounding noise), not an escape",
+    )
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     return p
 
@@ -117,11 +126,30 @@ def settings_from(args: argparse.Namespace) -> Settings:
         canary_sweep_interval=args.canary_sweep_interval,
         max_tries=args.max_tries,
         max_deaths=args.max_deaths,
+        tie_margin=args.tie_margin,
     )
 
 
 def versions() -> dict[str, str]:
     out = {"python": platform.python_version()}
+    try:  # the checkout the servers import kvguard (and the injectors) from
+        root = Path(__file__).resolve().parents[1]
+        head = subprocess.run(
+            ["git", "-C", str(root), "rev-parse", "--short", "HEAD"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+        ).stdout.strip()
+        if head:
+            out["kvguard_git"] = head + (" (with uncommitted changes)" if dirty else "")
+    except (OSError, subprocess.SubprocessError):
+        pass
     for dist in ("kvguard", "sglang", "torch"):
         try:
             out[dist] = version(dist)
@@ -160,6 +188,7 @@ def run_campaign(s: Settings, progress: bool = True, command: str = "") -> dict:
             bar.update(n)
 
     t0 = time.monotonic()
+    first = None  # the first configuration whose clean pass completed
     report = {
         "kvguard_fuzz_report": 1,
         "seed": s.seed,
@@ -175,12 +204,29 @@ def run_campaign(s: Settings, progress: bool = True, command: str = "") -> dict:
         if mode == configs[0][0] and ps == configs[0][1]:
             report["schedule"] = [e for w in waves for e in w.injections]
         run = Runner(s, waves, tick).run(mode, ps)
+        if first is None and run.reference:
+            first = run
+        elif first is not None and run.reference:  # the noise floor: clean run vs clean run
+            run.result["clean_vs_first_clean"] = noise_floor(first, run, s.tie_margin)
         report["configs"].append(run.result)
         report["wall_seconds"] = round(time.monotonic() - t0, 1)
         write_all(report, s.out)  # after every configuration: a partial campaign still reports
     if bar is not None:
         bar.close()
     return report
+
+
+def noise_floor(first, run, tie_margin: float) -> dict:
+    """Compare two clean passes of the same workload (different server, batches, cache states)."""
+    counts = {"identical": 0, "near_tie": 0, "escaped": 0}
+    decisive = []
+    for key, ref in first.reference.items():
+        if key in run.reference:
+            outcome, where = compare(ref, run.reference[key], tie_margin)
+            counts["identical" if outcome == "clean" else outcome] += 1
+            if outcome == "escaped":
+                decisive.append({"key": key, **where})
+    return {"against": f"{first.mode}-ps{first.page_size}", **counts, "decisive": decisive[:20]}
 
 
 def _fields(s: Settings) -> dict:

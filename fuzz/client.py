@@ -22,6 +22,7 @@ class Response:
     wave: int
     status: int | None = None  # HTTP status; None: no answer (connection error, timeout)
     output_ids: list[int] | None = None
+    top2: list[list[float]] | None = None  # per output token: [logprob1, id1, logprob2, id2]
     error: str | None = None  # message of a non-200 answer or the client-side exception
     violation: str | None = None  # kvguard violation id named in a guard abort
     client_abort: bool = False
@@ -40,6 +41,8 @@ def _body(spec: RequestSpec, rid: str, stream: bool) -> dict:
         "rid": rid,
         "text": spec.text,
         "stream": stream,
+        "return_logprob": True,  # the two best tokens at each step: the oracle's tie test
+        "top_logprobs_num": 2,
         "sampling_params": {
             "max_new_tokens": spec.max_new_tokens,
             "temperature": 0,
@@ -96,12 +99,21 @@ async def _streamed_then_dropped(session, url, spec, rid, out: Response):
 def _fill(out: Response, data: dict):
     out.output_ids = data.get("output_ids")
     meta = data.get("meta_info") or {}
+    out.top2 = [_top2(pos) for pos in meta.get("output_top_logprobs") or []] or None
     reason = meta.get("finish_reason")
     out.finish_reason = reason.get("type") if isinstance(reason, dict) else reason
     out.prompt_tokens = meta.get("prompt_tokens")
     out.completion_tokens = meta.get("completion_tokens")
     if isinstance(reason, dict) and reason.get("type") == "abort":
         _error(out, json.dumps(reason))
+
+
+def _top2(pos) -> list[float] | None:
+    """SGLang's ``[[logprob, token_id, text], ...]`` at one position -> [lp1, id1, lp2, id2]."""
+    if not pos or len(pos) < 2:
+        return None
+    (lp1, id1, *_), (lp2, id2, *_) = pos[0], pos[1]
+    return [round(lp1, 4), id1, round(lp2, 4), id2]
 
 
 def _error(out: Response, text: str):

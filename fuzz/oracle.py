@@ -4,13 +4,20 @@ Request outcomes (requests the client itself dropped are ``client_abort`` and no
 
 - ``clean``: output identical to the reference, token for token;
 - ``detected``: aborted by kvguard and in the victim set of an injection;
-- ``escaped``: completed, output differs from the reference (victim or not);
+- ``escaped``: completed, output differs from the reference (victim or not) at a token the
+  model chose decisively;
+- ``near_tie``: completed, output differs first at a step where both runs had the same two best
+  tokens within ``tie_margin`` nats of each other. Greedy decoding is not bit-stable across
+  batch compositions and prefix-cache states (chunk boundaries change the KV's rounding), so a
+  clean run flips such ties too: reported, not counted as an escape. The campaign measures this
+  noise floor by comparing the clean passes of different configurations;
 - ``false_abort``: aborted by kvguard but no injection touched its KV;
 - ``error``: no answer or another failure (server death, timeout);
 - ``no_reference``: the reference run has no output to compare with.
 
 Injection outcomes: ``detected`` (some victim aborted by kvguard), ``escaped`` (some victim
-served a wrong output, none aborted), ``masked`` (victims served the reference output: the
+served a wrong output, none aborted), ``near_tie`` (a victim's output differs only from a
+near-tie step on), ``masked`` (victims served the reference output: the
 corruption did not change a greedy token), ``unscored`` (its only victims were dropped by their
 client or failed), ``no_victim`` (the KV it touched was never read by a request still running),
 ``skipped`` (no fitting moment within max_tries steps), ``not_run`` (still queued when the
@@ -26,10 +33,12 @@ from pathlib import Path
 
 from kvguard.fuzz.client import Response
 
+TIE_MARGIN = 0.1  # nats between the two best tokens: below this a flip may be rounding noise
 REQUEST_OUTCOMES = (
     "clean",
     "detected",
     "escaped",
+    "near_tie",
     "false_abort",
     "error",
     "no_reference",
@@ -38,6 +47,7 @@ REQUEST_OUTCOMES = (
 INJECTION_OUTCOMES = (
     "detected",
     "escaped",
+    "near_tie",
     "masked",
     "unscored",
     "no_victim",
@@ -109,11 +119,35 @@ def guard_violations(server_log_events: list[dict]) -> dict[str, dict]:
     return out
 
 
+Output = tuple  # (output token ids, per-token [logprob1, id1, logprob2, id2] or None)
+
+
+def compare(ref: Output, got: Output, tie_margin: float = TIE_MARGIN) -> tuple[str, dict]:
+    """``clean``, ``near_tie`` or ``escaped``, and where the outputs part."""
+    (ref_ids, ref_top), (ids, top) = ref, got
+    if ids == ref_ids:
+        return "clean", {}
+    i = next(
+        (n for n, (a, b) in enumerate(zip(ids, ref_ids)) if a != b), min(len(ids), len(ref_ids))
+    )
+    where: dict = {"first_diff": i}
+    a = ref_top[i] if ref_top and i < len(ref_top) else None
+    b = top[i] if top and i < len(top) else None
+    if a and b and i < min(len(ids), len(ref_ids)):
+        margins = (a[0] - a[2], b[0] - b[2])
+        where["margins"] = [round(m, 4) for m in margins]
+        pair = {ref_ids[i], ids[i]}
+        if {a[1], a[3]} == pair == {b[1], b[3]} and max(margins) < tie_margin:
+            return "near_tie", where
+    return "escaped", where
+
+
 def classify(
-    reference: dict[str, list[int] | None],
+    reference: dict[str, Output],
     responses: list[Response],
     injections: dict[int, dict],
     violations: dict[str, dict],
+    tie_margin: float = TIE_MARGIN,
 ) -> tuple[list[dict], dict]:
     """Per-request records and per-injection outcomes (the latter updated in ``injections``)."""
     victim_of: dict[str, list[int]] = defaultdict(list)
@@ -123,7 +157,7 @@ def classify(
     records = []
     for r in responses:
         ids = victim_of.get(r.rid, [])
-        ref = reference.get(r.key)
+        ref = reference.get(r.key)  # (output ids, top-2 logprobs) of the clean pass
         guard_abort = r.violation is not None
         if r.client_abort:
             outcome = "client_abort"
@@ -134,7 +168,7 @@ def classify(
         elif ref is None:
             outcome = "no_reference"
         else:
-            outcome = "clean" if r.output_ids == ref else "escaped"
+            outcome, where = compare(ref, (r.output_ids, r.top2), tie_margin)
         rec = {
             "rid": r.rid,
             "key": r.key,
@@ -149,11 +183,8 @@ def classify(
             "prompt_tokens": r.prompt_tokens,
             "completion_tokens": r.completion_tokens,
         }
-        if outcome == "escaped" and ref is not None:
-            rec["first_diff"] = next(
-                (i for i, (a, b) in enumerate(zip(r.output_ids, ref)) if a != b),
-                min(len(r.output_ids), len(ref)),
-            )
+        if outcome in ("escaped", "near_tie"):
+            rec.update(where)
         if outcome in ("error", "false_abort") and r.error:
             rec["error"] = r.error[:500]
         ev = violations.get(r.rid)
@@ -180,6 +211,8 @@ def classify(
             inj["outcome"] = "detected"
         elif seen["escaped"]:
             inj["outcome"] = "escaped"
+        elif seen["near_tie"]:
+            inj["outcome"] = "near_tie"
         elif seen["clean"]:
             inj["outcome"] = "masked"
         elif victims:

@@ -34,6 +34,9 @@ def summarize(cfg: dict) -> dict:
         "escapes_from_victims": sum(
             1 for r in reqs if r["outcome"] == "escaped" and r["victim_of"]
         ),
+        "near_ties_of_victims": sum(
+            1 for r in reqs if r["outcome"] == "near_tie" and r["victim_of"]
+        ),
         "escapes_unattributed": sum(
             1 for r in reqs if r["outcome"] == "escaped" and not r["victim_of"]
         ),
@@ -105,8 +108,8 @@ def markdown(report: dict) -> str:
         "",
         f"Seed {report['seed']}; model `{model.get('path')}` (safetensors sha256 "
         f"{model.get('safetensors_sha256')}); "
-        f"{s['num_requests']} requests per pass, {s['num_injections']} injections per configuration, "
-        f"waves of ~{s['wave_size']}; pool {s['max_total_tokens']} tokens, chunked prefill "
+        f"{s['num_requests']} requests per pass, {s['num_injections']} injections per "
+        f"configuration, waves of ~{s['wave_size']}; pool {s['max_total_tokens']} tokens, chunked prefill "
         f"{s['chunked_prefill_size']}. Wall time {report.get('wall_seconds', 0) / 60:.1f} min.",
         "",
         f"Command: `{report.get('command', '')}`",
@@ -115,9 +118,9 @@ def markdown(report: dict) -> str:
         "",
         "## Verdict per configuration",
         "",
-        "| configuration | scored requests | clean | detected | escaped | false aborts | errors | "
-        "server deaths | idle KV held (end) | verdict |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| configuration | scored requests | clean | detected | escaped | near-tie divergences "
+        "(victims) | false aborts | errors | server deaths | idle KV held (end) | verdict |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for c in report["configs"]:
         r = c["summary"]["requests"]
@@ -128,16 +131,21 @@ def markdown(report: dict) -> str:
             ok = "unguarded: " + ok
         lines.append(
             f"| {c['mode']} ps{c['page_size']} | {scored} | {r['clean']} | {r['detected']} | "
-            f"{r['escaped']} | {fa} | {r['error']} | {c['summary']['server_deaths']} | "
+            f"{r['escaped']} | {r['near_tie']} ({c['summary']['near_ties_of_victims']}) | {fa} | "
+            f"{r['error']} | {c['summary']['server_deaths']} | "
             f"{c['summary']['idle_used_tokens_end']} | {ok} |"
         )
     lines += [
         "",
         "Requests the client dropped itself are not scored. An escape is a completed request "
-        "whose tokens differ from the clean run's; with the guard off a corrupted request can "
-        "still match by luck (counted clean), so the oracle compares outputs only.",
+        "whose tokens differ from the clean run's at a step the model decided clearly; with the "
+        "guard off a corrupted request can still match by luck (counted clean), so the oracle "
+        "compares outputs only. A near-tie divergence first differs at a step where both runs had "
+        f"the same two best tokens within {report['settings'].get('tie_margin')} nats: clean runs "
+        "flip those too (next table), so they are listed, not counted as escapes.",
         "",
     ]
+    lines += _noise_table(report)
     lines += ["## Detection matrix (injections by class and outcome)", ""]
     for c in report["configs"]:
         lines += _matrix(c)
@@ -173,15 +181,39 @@ def markdown(report: dict) -> str:
         "",
         "Injection outcomes: **detected** (a victim was aborted by kvguard), **escaped** (a victim "
         "served a wrong output and none was aborted), **masked** (victims served the reference "
-        "output), **unscored** (its only victims were dropped by their client or failed), "
+        "output), **near_tie** (a victim's output differs only from a near-tie step on), "
+        "**unscored** (its only victims were dropped by their client or failed), "
         "**no_victim** (the touched KV was never read by a running request), **skipped** "
-        "(no fitting moment within max_tries scheduler steps), **not_run** (still queued at the end). "
-        "steps to abort: forward passes from the one the corruption was injected before to the one "
-        "kvguard flagged it. For `canary` (SGLang's kv-canary in log mode: it never aborts) "
-        "*canary flagged* counts injections that landed in a wave where the canary logged a violation.",
+        "(no fitting moment within max_tries scheduler steps), **not_run** (still queued at the "
+        "end). Steps to abort: forward passes from the one the corruption was injected before to "
+        "the one kvguard flagged it. For `canary` (SGLang's kv-canary in log mode: it never "
+        "aborts) *canary flagged* counts injections that landed in a wave where the canary logged "
+        "a violation.",
         "",
     ]
     return "\n".join(lines)
+
+
+def _noise_table(report: dict) -> list[str]:
+    rows = [c for c in report["configs"] if c.get("clean_vs_first_clean")]
+    if not rows:
+        return []
+    out = [
+        "### Noise floor: clean pass against clean pass",
+        "",
+        "The same workload, no injection, on two servers: how often greedy outputs differ anyway "
+        "(batch composition and prefix-cache state change the rounding).",
+        "",
+        "| configuration | compared with | identical | near-tie divergences | decisive divergences |",
+        "| --- | --- | --- | --- | --- |",
+    ]
+    for c in rows:
+        n = c["clean_vs_first_clean"]
+        out.append(
+            f"| {c['mode']} ps{c['page_size']} | {n['against']} | {n['identical']} | "
+            f"{n['near_tie']} | {n['escaped']} |"
+        )
+    return out + [""]
 
 
 def _matrix(c: dict) -> list[str]:
@@ -249,7 +281,11 @@ def _problems(report: dict) -> list[str]:
         for r in bad[:20]:
             out.append(
                 f"- {r['rid']} (wave {r['wave']}): {r['outcome']}; victim of {r['victim_of']} "
-                f"{r['classes']}; {r.get('error', '')[:200]}"
+                f"{r['classes']}"
+                + (f"; first differing token {r['first_diff']}" if "first_diff" in r else "")
+                + (f", top-2 margins (clean, this run) {r['margins']}" if "margins" in r else "")
+                + (f"; guard {r['violation']} {r.get('guard_kinds')}" if r.get("violation") else "")
+                + (f"; {r['error'][:160]}" if r.get("error") and not r.get("violation") else "")
             )
         for d in c.get("deaths", []):
             out += [
@@ -268,6 +304,7 @@ def _problems(report: dict) -> list[str]:
 COLORS = {
     "detected": (46, 160, 67),
     "escaped": (218, 54, 51),
+    "near_tie": (240, 160, 60),
     "masked": (160, 160, 160),
     "unscored": (190, 200, 230),
     "no_victim": (210, 210, 210),

@@ -152,8 +152,8 @@ def build_workload(seed: int, num_requests: int, wave_size: int = 24) -> list[Wa
 def schedule_injections(
     seed: int, waves: list[Wave], num_injections: int, classes: list[str], max_tries: int = 80
 ) -> None:
-    """Deal ``num_injections`` plan entries over the waves (at most a few per wave, never in the
-    first wave: it has no earlier conversation to hit)."""
+    """Deal ``num_injections`` plan entries round-robin over the waves (none in the first wave: it
+    has no earlier conversation to hit)."""
     rng = random.Random(f"kvguard-fuzz-schedule-{seed}")
     if num_injections <= 0 or not classes:
         return

@@ -12,7 +12,7 @@ from kvguard.fuzz.campaign import Settings
 from kvguard.fuzz.cli import run_campaign
 from kvguard.fuzz.client import Response
 from kvguard.fuzz.injectors import INJECTORS
-from kvguard.fuzz.oracle import classify, injections_from_log
+from kvguard.fuzz.oracle import classify, compare, injections_from_log
 from kvguard.fuzz.workload import build_workload, schedule_injections
 from tiny_model import serving_model
 
@@ -31,7 +31,10 @@ def test_schedule_is_a_function_of_the_seed():
 
 
 def test_oracle_outcomes():
-    ref = {"a": [1, 2], "b": [3, 4], "c": [5, 6], "d": [7, 8], "e": [9, 9]}
+    ref = {
+        k: (v, None)
+        for k, v in {"a": [1, 2], "b": [3, 4], "c": [5, 6], "d": [7, 8], "e": [9, 9]}.items()
+    }
     responses = [
         Response("i-a", "a", 1, status=200, output_ids=[1, 2]),  # victim, unharmed
         Response("i-b", "b", 1, status=500, violation="kvg-1"),  # victim, aborted
@@ -71,6 +74,17 @@ def test_oracle_outcomes():
         "skipped",
         "not_run",
     ]
+
+
+def test_near_tie_is_not_an_escape():
+    top = [[-0.1, 5, -3.0, 6], [-0.50, 7, -0.55, 8], [-0.2, 9, -2.0, 1]]
+    flipped = [[-0.1, 5, -3.0, 6], [-0.52, 8, -0.54, 7], [-0.2, 9, -2.0, 1]]
+    assert compare(([5, 7, 9], top), ([5, 7, 9], top))[0] == "clean"
+    outcome, where = compare(([5, 7, 9], top), ([5, 8, 9], flipped))
+    assert outcome == "near_tie" and where["first_diff"] == 1
+    decisive = [[-0.1, 5, -3.0, 6], [-0.1, 8, -4.0, 7], [-0.2, 9, -2.0, 1]]
+    assert compare(([5, 7, 9], top), ([5, 8, 9], decisive))[0] == "escaped"
+    assert compare(([5, 7, 9], top), ([5, 7], None))[0] == "escaped"  # shorter: never a tie
 
 
 def test_short_campaign_paranoid(tmp_path):
