@@ -192,12 +192,7 @@ class Runner:
                 run.result["clean"]["canary_violations"] = len(
                     canary_flags(f.read().decode(errors="replace"))
                 )
-        reference = {
-            r.key: (r.output_ids, r.top2)
-            for r in scored
-            if r.status == 200 and r.violation is None and r.output_ids is not None
-        }
-        run.reference = reference
+        reference = run.reference = reference_of(responses)
         _dump(run.dir / "clean.jsonl", responses)
         return reference, responses
 
@@ -247,37 +242,56 @@ class Runner:
     def _judge(
         self, run: ConfigRun, reference: dict, clean: list[Response], injected: list[Response]
     ):
-        res = run.result
         planned = [e for w in self.waves for e in w.injections]
-        inj_events = read_jsonl(run.dir / "injections.jsonl")
-        injections = injections_from_log(inj_events, planned)
-        log_bytes = (run.dir / "server.log").read_bytes()
-        log_text = log_bytes.decode(errors="replace")
-        server_events = read_jsonl(run.dir / "server.log")
-        records, injections = classify(
-            reference, injected, injections, guard_violations(server_events), self.s.tie_margin
-        )
-        for inj in injections.values():
-            inj["landed_wave"] = _landed_wave(inj["id"], inj_events, res["waves"])
-        if run.mode == "canary":
-            _canary_attribution(res, injections, log_bytes)
-        res["clean_guard_aborts"] = [r.rid for r in clean if r.violation]
-        res["memory_leak_warnings"] = log_text.count("memory leak detected")
-        res["guard_memory_check_warnings"] = sum(
-            1
-            for e in server_events
-            if e.get("event") == "kvguard_engine_memory_check_after_violations"
-        )
-        res["guard_errors"] = sum(
-            1
-            for e in server_events
-            if e.get("event", "").startswith("kvguard_") and e.get("event", "").endswith("_failed")
-        )
-        res["injector_errors"] = [e for e in inj_events if e.get("event") == "injector_error"][:20]
-        res["requests"] = records
-        res["injections"] = sorted(injections.values(), key=lambda x: x["id"])
-        for inj in res["injections"]:
-            inj["victims"] = sorted(inj["victims"])
+        judge(run, planned, reference, clean, injected, self.s.tie_margin)
+
+
+def reference_of(responses: list[Response]) -> dict:
+    """key -> (output ids, top-2) of every clean-pass answer that can serve as a reference."""
+    return {
+        r.key: (r.output_ids, r.top2)
+        for r in responses
+        if not r.client_abort and r.status == 200 and r.violation is None and r.output_ids
+    }
+
+
+def judge(
+    run: ConfigRun,
+    planned: list[dict],
+    reference: dict,
+    clean: list[Response],
+    injected: list[Response],
+    tie_margin: float = TIE_MARGIN,
+) -> None:
+    """Fold a configuration's logs and client answers into ``run.result``."""
+    res = run.result
+    inj_events = read_jsonl(run.dir / "injections.jsonl")
+    injections = injections_from_log(inj_events, planned)
+    log_bytes = (run.dir / "server.log").read_bytes()
+    log_text = log_bytes.decode(errors="replace")
+    server_events = read_jsonl(run.dir / "server.log")
+    records, injections = classify(
+        reference, injected, injections, guard_violations(server_events), tie_margin
+    )
+    for inj in injections.values():
+        inj["landed_wave"] = _landed_wave(inj["id"], inj_events, res["waves"])
+    if run.mode == "canary":
+        _canary_attribution(res, injections, log_bytes)
+    res["clean_guard_aborts"] = [r.rid for r in clean if r.violation]
+    res["memory_leak_warnings"] = log_text.count("memory leak detected")
+    res["guard_memory_check_warnings"] = sum(
+        1 for e in server_events if e.get("event") == "kvguard_engine_memory_check_after_violations"
+    )
+    res["guard_errors"] = sum(
+        1
+        for e in server_events
+        if e.get("event", "").startswith("kvguard_") and e.get("event", "").endswith("_failed")
+    )
+    res["injector_errors"] = [e for e in inj_events if e.get("event") == "injector_error"][:20]
+    res["requests"] = records
+    res["injections"] = sorted(injections.values(), key=lambda x: x["id"])
+    for inj in res["injections"]:
+        inj["victims"] = sorted(inj["victims"])
 
 
 def _idle(srv: ServeProcess) -> dict:

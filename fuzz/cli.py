@@ -88,6 +88,13 @@ def parser() -> argparse.ArgumentParser:
         "near tie (rounding noise), not an escape",
     )
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument(
+        "--rejudge",
+        type=Path,
+        metavar="DIR",
+        help="judge the campaign saved in DIR again (its answers and logs; e.g. with another "
+        "--tie-margin) and rewrite its reports; runs nothing",
+    )
     return p
 
 
@@ -239,13 +246,55 @@ def _fields(s: Settings) -> dict:
     return out
 
 
+def rejudge(out: Path, tie_margin: float) -> dict:
+    """Judge a finished campaign again from its saved answers and logs (e.g. another tie
+    margin); nothing is re-run."""
+    import copy
+    import json
+
+    from kvguard.fuzz.campaign import ConfigRun, judge, reference_of
+    from kvguard.fuzz.client import Response
+
+    report = json.loads((out / "report.json").read_text())
+    report["settings"]["tie_margin"] = tie_margin
+    first = None
+    for res in report["configs"]:
+        run = ConfigRun(res["mode"], res["page_size"], out / f"{res['mode']}-ps{res['page_size']}")
+        run.result = res
+        answers = {}
+        for name in ("clean", "injected"):
+            path = run.dir / f"{name}.jsonl"
+            rows = path.read_text().splitlines() if path.exists() else []
+            answers[name] = [Response(**json.loads(line)) for line in rows]
+        if not answers["clean"]:
+            continue
+        run.reference = reference_of(answers["clean"])
+        planned = copy.deepcopy(report.get("schedule", []))
+        judge(run, planned, run.reference, answers["clean"], answers["injected"], tie_margin)
+        if first is None:
+            first = run
+        else:
+            res["clean_vs_first_clean"] = noise_floor(first, run, tie_margin)
+    report["rejudged"] = f"tie margin {tie_margin}"
+    write_all(report, out)
+    return report
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
+    if args.rejudge is not None:
+        report = rejudge(args.rejudge, args.tie_margin)
+        print((args.rejudge / "report.md").resolve())
+        return 1 if _failed(report) else 0
     s = settings_from(args)
     command = "kvguard-fuzz " + shlex.join(sys.argv[1:] if argv is None else argv)
     report = run_campaign(s, progress=not args.no_progress, command=command)
     print((s.out / "report.md").resolve())
+    return 1 if _failed(report) else 0
+
+
+def _failed(report: dict) -> bool:
     bad = [c for c in report["configs"] if c["mode"] not in ("off", "canary") and c["verdict"]]
     for c in bad:
         print(f"{c['mode']} ps{c['page_size']}: " + "; ".join(c["verdict"]), file=sys.stderr)
-    return 1 if bad else 0
+    return bool(bad)

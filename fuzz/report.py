@@ -109,8 +109,9 @@ def markdown(report: dict) -> str:
         f"Seed {report['seed']}; model `{model.get('path')}` (safetensors sha256 "
         f"{model.get('safetensors_sha256')}); "
         f"{s['num_requests']} requests per pass, {s['num_injections']} injections per "
-        f"configuration, waves of ~{s['wave_size']}; pool {s['max_total_tokens']} tokens, chunked prefill "
-        f"{s['chunked_prefill_size']}. Wall time {report.get('wall_seconds', 0) / 60:.1f} min.",
+        f"configuration, waves of ~{s['wave_size']}; pool {s['max_total_tokens']} tokens, "
+        f"chunked prefill {s['chunked_prefill_size']}. "
+        f"Wall time {report.get('wall_seconds', 0) / 60:.1f} min.",
         "",
         f"Command: `{report.get('command', '')}`",
         "",
@@ -204,7 +205,8 @@ def _noise_table(report: dict) -> list[str]:
         "The same workload, no injection, on two servers: how often greedy outputs differ anyway "
         "(batch composition and prefix-cache state change the rounding).",
         "",
-        "| configuration | compared with | identical | near-tie divergences | decisive divergences |",
+        "| configuration | compared with | identical | near-tie divergences | decisive "
+        "divergences |",
         "| --- | --- | --- | --- | --- |",
     ]
     for c in rows:
