@@ -209,7 +209,8 @@ class StepChecker:
             bad = adopt & (found != L.digest[slots])
             flag(bidx, bad, Kind.CHECKSUM_MISMATCH)
             taint.index_put_((page.reshape(-1),), bad.reshape(-1), accumulate=True)
-        tag_ok = tag_ok | adopt
+        # A slot out of place (entries swapped) is not bad content: it must not taint its page.
+        tag_ok = (tag_ok | adopt) & ((slots % ps) == (pos % ps))
         flag(bidx, valid & tag_ok & ~R.sealed[r, pos], Kind.READ_UNWRITTEN)
         if self.config.mode is Mode.PARANOID:
             found = self._digests(slots.reshape(-1), pos.reshape(-1)).view_as(slots)
