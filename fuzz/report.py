@@ -23,6 +23,12 @@ def summarize(cfg: dict) -> dict:
         if inj.get("steps_to_abort") is not None:
             lags.setdefault(inj["cls"], []).append(inj["steps_to_abort"])
     outcomes = Counter(r["outcome"] for r in reqs)
+    landed = {inj["id"]: inj.get("landed_wave") for inj in injs}
+
+    def waves_after(r):  # how long after its injections a request became a victim
+        gaps = [r["wave"] - landed[i] for i in r["victim_of"] if landed.get(i) is not None]
+        return min(gaps) if gaps else None
+
     idle_used = [
         w["idle"].get("num_used_tokens")
         for w in cfg.get("waves", [])
@@ -33,6 +39,11 @@ def summarize(cfg: dict) -> dict:
         "requests": {k: outcomes.get(k, 0) for k in REQUEST_OUTCOMES},
         "escapes_from_victims": sum(
             1 for r in reqs if r["outcome"] == "escaped" and r["victim_of"]
+        ),
+        # The plugin follows a touched page to every later holder, so victim sets over-approximate:
+        # a guard abort of such a late holder is counted detected but might be collateral.
+        "detected_two_or_more_waves_after_injection": sum(
+            1 for r in reqs if r["outcome"] == "detected" and (waves_after(r) or 0) >= 2
         ),
         "near_ties_of_victims": sum(
             1 for r in reqs if r["outcome"] == "near_tie" and r["victim_of"]
