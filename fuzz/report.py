@@ -273,6 +273,14 @@ def _matrix(c: dict) -> list[str]:
             "injection). The canary names a slot, not a request: an injection counts as flagged "
             "when the canary logged a violation during the wave it landed in."
         )
+    late = s.get("detected_two_or_more_waves_after_injection")
+    if late:
+        out += [
+            "",
+            f"{late} of the {s['requests']['detected']} detected requests became victims two or "
+            "more waves after their injection (the plugin counts every later holder of a touched "
+            "page as a victim): such an abort could also be collateral.",
+        ]
     out.append("")
     return out
 
