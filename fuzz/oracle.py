@@ -6,10 +6,10 @@ Request outcomes (requests the client itself dropped are ``client_abort`` and no
 - ``detected``: aborted by kvguard and in the victim set of an injection;
 - ``escaped``: completed, output differs from the reference (victim or not) at a token the
   model chose decisively;
-- ``near_tie``: completed, output differs first at a step where both runs had the same two best
-  tokens within ``tie_margin`` nats of each other. Greedy decoding is not bit-stable across
-  batch compositions and prefix-cache states (chunk boundaries change the KV's rounding), so a
-  clean run flips such ties too: reported, not counted as an escape. The campaign measures this
+- ``near_tie``: completed, output differs first at a step where both runs had their two best
+  tokens within ``tie_margin`` nats of each other, with a candidate in common. Greedy decoding
+  is not bit-stable across batch compositions and prefix-cache states (chunk boundaries change
+  the KV's rounding), so a clean run flips such ties too: reported, not counted as an escape. The campaign measures this
   noise floor by comparing the clean passes of different configurations;
 - ``false_abort``: aborted by kvguard but no injection touched its KV;
 - ``error``: no answer or another failure (server death, timeout);
@@ -136,8 +136,9 @@ def compare(ref: Output, got: Output, tie_margin: float = TIE_MARGIN) -> tuple[s
     if a and b and i < min(len(ids), len(ref_ids)):
         margins = (a[0] - a[2], b[0] - b[2])
         where["margins"] = [round(m, 4) for m in margins]
-        pair = {ref_ids[i], ids[i]}
-        if {a[1], a[3]} == pair == {b[1], b[3]} and max(margins) < tie_margin:
+        # both runs undecided at this step, between candidates they share (a two-way tie shows
+        # the same pair; a three-way tie can show different pairs with a common token)
+        if max(margins) < tie_margin and {a[1], a[3]} & {b[1], b[3]}:
             return "near_tie", where
     return "escaped", where
 

@@ -153,7 +153,8 @@ def markdown(report: dict) -> str:
         "whose tokens differ from the clean run's at a step the model decided clearly; with the "
         "guard off a corrupted request can still match by luck (counted clean), so the oracle "
         "compares outputs only. A near-tie divergence first differs at a step where both runs had "
-        f"the same two best tokens within {report['settings'].get('tie_margin')} nats: clean runs "
+        f"their two best tokens within {report['settings'].get('tie_margin')} nats (a candidate in "
+        "common): clean runs "
         "flip those too (next table), so they are listed, not counted as escapes.",
         "",
     ]

@@ -85,6 +85,8 @@ def test_near_tie_is_not_an_escape():
     decisive = [[-0.1, 5, -3.0, 6], [-0.1, 8, -4.0, 7], [-0.2, 9, -2.0, 1]]
     assert compare(([5, 7, 9], top), ([5, 8, 9], decisive))[0] == "escaped"
     assert compare(([5, 7, 9], top), ([5, 7], None))[0] == "escaped"  # shorter: never a tie
+    three_way = [[-0.1, 5, -3.0, 6], [-0.53, 4, -0.53, 7], [-0.2, 9, -2.0, 1]]  # 4, 7, 8 tied
+    assert compare(([5, 7, 9], top), ([5, 4, 9], three_way))[0] == "near_tie"
 
 
 def test_short_campaign_paranoid(tmp_path):
