@@ -9,8 +9,8 @@ Request outcomes (requests the client itself dropped are ``client_abort`` and no
 - ``near_tie``: completed, output differs first at a step where both runs had their two best
   tokens within ``tie_margin`` nats of each other, with a candidate in common. Greedy decoding
   is not bit-stable across batch compositions and prefix-cache states (chunk boundaries change
-  the KV's rounding), so a clean run flips such ties too: reported, not counted as an escape. The campaign measures this
-  noise floor by comparing the clean passes of different configurations;
+  the KV's rounding), so a clean run flips such ties too: reported, not counted as an escape.
+  The campaign measures this noise floor by comparing the clean passes of configurations;
 - ``false_abort``: aborted by kvguard but no injection touched its KV;
 - ``error``: no answer or another failure (server death, timeout);
 - ``no_reference``: the reference run has no output to compare with.
