@@ -11,7 +11,9 @@ Request outcomes (requests the client itself dropped are ``client_abort`` and no
   is not bit-stable across batch compositions and prefix-cache states (chunk boundaries change
   the KV's rounding), so a clean run flips such ties too: reported, not counted as an escape.
   The campaign measures this noise floor by comparing the clean passes of configurations;
-- ``false_abort``: aborted by kvguard but no injection touched its KV;
+- ``false_abort``: aborted by kvguard but no injection touched its KV (the record says whether
+  the guard saw changed KV bytes, i.e. corruption the plugin did not follow, or only distrusted
+  a page whose bytes still verified);
 - ``error``: no answer or another failure (server death, timeout);
 - ``no_reference``: the reference run has no output to compare with.
 
@@ -191,6 +193,13 @@ def classify(
         ev = violations.get(r.rid)
         if ev is not None:
             rec["guard_step"], rec["guard_kinds"] = ev.get("step"), ev.get("kinds")
+            # did the guard find KV bytes that changed (a digest mismatch), or only a state it
+            # distrusts (quarantined page, owner, epoch) over bytes that still verify?
+            rec["guard_saw_changed_kv"] = any(
+                "digest" in pos.get("why", [])
+                for page in ev.get("pages") or []
+                for pos in page.get("positions") or []
+            )
             lags = [  # from the step the corruption was made (the plugin's and the guard's
                 # step counters both count forward passes from server start)
                 ev["step"] - injections[i]["at_step"]

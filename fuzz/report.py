@@ -45,6 +45,9 @@ def summarize(cfg: dict) -> dict:
         "detected_two_or_more_waves_after_injection": sum(
             1 for r in reqs if r["outcome"] == "detected" and (waves_after(r) or 0) >= 2
         ),
+        "false_aborts_with_changed_kv": sum(
+            1 for r in reqs if r["outcome"] == "false_abort" and r.get("guard_saw_changed_kv")
+        ),
         "near_ties_of_victims": sum(
             1 for r in reqs if r["outcome"] == "near_tie" and r["victim_of"]
         ),
@@ -131,7 +134,8 @@ def markdown(report: dict) -> str:
         "## Verdict per configuration",
         "",
         "| configuration | scored requests | clean | detected | escaped | near-tie divergences "
-        "(victims) | false aborts | errors | server deaths | idle KV held (end) | verdict |",
+        "(victims) | false aborts (KV changed) | errors | server deaths | idle KV held (end) | "
+        "verdict |",
         "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for c in report["configs"]:
@@ -143,7 +147,8 @@ def markdown(report: dict) -> str:
             ok = "unguarded: " + ok
         lines.append(
             f"| {c['mode']} ps{c['page_size']} | {scored} | {r['clean']} | {r['detected']} | "
-            f"{r['escaped']} | {r['near_tie']} ({c['summary']['near_ties_of_victims']}) | {fa} | "
+            f"{r['escaped']} | {r['near_tie']} ({c['summary']['near_ties_of_victims']}) | {fa} "
+            f"({c['summary']['false_aborts_with_changed_kv']}) | "
             f"{r['error']} | {c['summary']['server_deaths']} | "
             f"{c['summary']['idle_used_tokens_end']} | {ok} |"
         )
@@ -155,7 +160,12 @@ def markdown(report: dict) -> str:
         "compares outputs only. A near-tie divergence first differs at a step where both runs had "
         f"their two best tokens within {report['settings'].get('tie_margin')} nats (a candidate in "
         "common): clean runs "
-        "flip those too (next table), so they are listed, not counted as escapes.",
+        "flip those too (next table), so they are listed, not counted as escapes. A false abort "
+        "is a guard abort of a request no injection was seen to touch; in parentheses those where "
+        "the guard found changed KV bytes (a digest mismatch: corruption the plugin did not "
+        "follow, e.g. the aftermath of an injected double free), the rest aborted over pages "
+        "whose bytes still verified (e.g. every holder of a page quarantined because another "
+        "request read it before it was ready).",
         "",
     ]
     lines += _noise_table(report)
