@@ -38,6 +38,7 @@ from .kv_checksum_ref import (
     SM_GAMMA,
     SM_M1,
     SM_M2,
+    _row_word_views,
     block_digests,  # noqa: F401  (re-exported for callers)
     row_words,
     token_digests_ref,
@@ -194,10 +195,9 @@ def token_digests(
     ):
         raise ValueError("slots and positions must be int32 or int64")
     device = buffers[0].device
-    for b in buffers:
-        if b.device != device:
-            raise ValueError("all KV buffers must be on the same device")
-        row_words(b)  # validates row contiguity, row size % 4, stride alignment
+    if any(b.device != device for b in buffers):
+        raise ValueError("all KV buffers must be on the same device")
+    _row_word_views(buffers)  # validates row contiguity, row size % 4, alignment (cached per pool)
     if _use_triton(device):
         if slots.device != device or positions.device != device:
             raise ValueError("slots/positions must be on the KV buffers' device")

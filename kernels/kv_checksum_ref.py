@@ -88,6 +88,25 @@ def poskey(positions: torch.Tensor) -> torch.Tensor:
     return splitmix64(positions.to(torch.int64) + to_signed64(POS_SEED))
 
 
+_POSKEY_TABLE = torch.empty(0, dtype=torch.int64)
+
+
+def poskey_cpu(positions: torch.Tensor) -> torch.Tensor:
+    """poskey by table lookup on CPU (positions are bounded by the context length; the table
+    grows by powers of two): one gather instead of a dozen elementwise ops per call."""
+    global _POSKEY_TABLE
+    positions = positions.to(torch.int64)
+    if positions.numel() == 0:
+        return positions.clone()
+    hi = int(positions.max())
+    lo = int(positions.min())
+    if lo < 0 or hi >= 1 << 24:
+        return poskey(positions)
+    if hi >= _POSKEY_TABLE.numel():
+        _POSKEY_TABLE = poskey(torch.arange(max(4096, 1 << hi.bit_length()), dtype=torch.int64))
+    return _POSKEY_TABLE[positions]
+
+
 _CONST_CACHE: dict[tuple[int, int, str], torch.Tensor] = {}
 
 
@@ -137,17 +156,40 @@ def row_words(buf: torch.Tensor) -> torch.Tensor:
     return b.view(torch.int32)
 
 
+_VIEW_CACHE: dict[tuple, tuple[list, list[torch.Tensor]]] = {}
+
+
+def _row_word_views(buffers: list[torch.Tensor]) -> list[torch.Tensor]:
+    """``row_words`` of each buffer, cached per pool (the engine hashes the same buffers every
+    step; the layout checks need not run each time)."""
+    key = (id(buffers), len(buffers), buffers[0].data_ptr(), buffers[-1].data_ptr())
+    hit = _VIEW_CACHE.get(key)
+    if hit is not None and hit[0] is buffers:  # the same list object (ids can be recycled)
+        return hit[1]
+    if len(_VIEW_CACHE) >= 8:
+        _VIEW_CACHE.clear()
+    views = [row_words(b) for b in buffers]
+    _VIEW_CACHE[key] = (buffers, views)
+    return views
+
+
 def inner_sums_ref(buffers: list[torch.Tensor], slots: torch.Tensor) -> torch.Tensor:
     """inner(s) for each slot in ``slots``: int64 [N] (wrapping)."""
     device = buffers[0].device if buffers else slots.device
     slots = slots.to(device=device, dtype=torch.int64)
     n = slots.numel()
-    views = [row_words(b) for b in buffers]
+    views = _row_word_views(buffers)
     wmax = max((v.shape[1] for v in views), default=0)
     consts = word_constants(len(views), wmax, device)
-    inner = torch.zeros(n, dtype=torch.int64, device=device)
     if n == 0 or wmax == 0:
-        return inner
+        return torch.zeros(n, dtype=torch.int64, device=device)
+    if n * len(views) * wmax <= _CHUNK_ELEMS and all(v.shape[1] == wmax for v in views):
+        # Small batches (the engine's per-step calls): one gather per buffer, then a single
+        # widen/mask/multiply/sum over all buffers; per-op overhead dominates at this size.
+        # Wrapping integer sums are order-independent, so this equals the chunked loop below.
+        x = torch.stack([torch.index_select(v, 0, slots) for v in views], 1).to(torch.int64)
+        return x.bitwise_and_(0xFFFFFFFF).mul_(consts).sum((1, 2))
+    inner = torch.zeros(n, dtype=torch.int64, device=device)
     # Chunk over slots so temporaries stay ~_CHUNK_ELEMS elements; the work
     # buffers are allocated once per call and reused (fresh large CPU
     # allocations page-fault on every chunk).
@@ -186,7 +228,8 @@ def token_digests_ref(
     if len(buffers) == 0:
         raise ValueError("need at least one KV buffer")
     inner = inner_sums_ref(buffers, slots)
-    return fmix64(inner ^ poskey(positions.to(inner.device)))
+    positions = positions.to(inner.device)
+    return fmix64(inner ^ (poskey_cpu(positions) if inner.device.type == "cpu" else poskey(positions)))
 
 
 def block_digests(

@@ -55,6 +55,13 @@ class StepChecker:
         self.sweep_cursor = 0  # resting-pool sweep position (slots)
         self.read_cursor = 0  # read-set window position (flattened batch x position grid)
         self.tokens_hashed = 0  # host counter of tokens checksummed (metrics)
+        # Set by the guard after a quarantine, until the engine flushes its caches: every read is
+        # verified (as in paranoid), so readers of a quarantined page whose bytes are intact go on.
+        self.escalated = False
+        # On CPU a host read of a device value costs nothing (no sync), so a step whose reads are
+        # all clean (the common case) skips the per-kind diagnosis; on GPU every step runs the
+        # branch-free path so that nothing waits on the device.
+        self.host_reads_free = ledger.device.type == "cpu"
 
     def _digests(self, slots: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         self.tokens_hashed += slots.numel()
@@ -82,7 +89,13 @@ class StepChecker:
         reads = self._check_reads(v, rows, taint, flag) if v.max_prefix_len > 0 else None
         if v.write_slots.numel():
             self._check_writes(v, rows, taint, flag)
-        if reads is not None:
+            # What a request flagged this step writes was computed from KV it should not have
+            # read: its pages must not reach the prefix cache (hits through them are refused).
+            wb = v.write_batch.to(torch.int64)
+            wpage = torch.div(v.write_slots.to(torch.int64), self.ledger.page_size, rounding_mode="floor")
+            if not (self.host_reads_free and not bool(kinds.any())):
+                taint.index_put_((wpage,), kinds[wb] != 0, accumulate=True)
+        if reads is not None and not (self.host_reads_free and not bool(taint.any())):
             # A page found bad anywhere this step poisons every read of it.
             bidx, valid, page = reads
             flag(bidx, valid & taint[page], Kind.QUARANTINED_PAGE)
@@ -96,45 +109,66 @@ class StepChecker:
         s = v.write_slots.to(torch.int64)
         page = torch.div(s, ps, rounding_mode="floor")
         lp = torch.div(p, ps, rounding_mode="floor")
-
-        flag(b, v.page_table[r, p].to(torch.int64) != s, Kind.TABLE_MISMATCH)
-        flag(b, (s % ps) != (p % ps), Kind.MISPLACED_SLOT)
-        flag(b, L.written[s], Kind.OVERWRITE)
-        taint.index_put_((page,), L.written[s], accumulate=True)
-
-        # A token at a page boundary claims a fresh page; the page must be free.
-        first = (p % ps) == 0
+        first = (p % ps) == 0  # a token at a page boundary claims a fresh page
+        table_ok = v.page_table[r, p].to(torch.int64) == s
+        in_place = (s % ps) == (p % ps)
+        written = L.written[s]
         st = L.state[page]
-        claimed_busy = first & (st != PageState.FREE) & (st != PageState.ALLOCATED)
-        flag(b, claimed_busy & (st == PageState.OWNED), Kind.DOUBLE_ALLOCATION)
-        flag(b, claimed_busy & (st == PageState.SHARED), Kind.WRITE_TO_SHARED)
-        flag(b, claimed_busy & (st == PageState.QUARANTINED), Kind.QUARANTINED_PAGE)
-        taint.index_put_((page,), claimed_busy, accumulate=True)
-        # Two rows claiming one page in the same step: both are double allocations.
-        claims = torch.zeros(L.num_pages, dtype=torch.int64, device=L.device)
-        claims.index_add_(0, page, first.to(torch.int64))
-        contested = first & (claims[page] > 1)
-        flag(b, contested, Kind.DOUBLE_ALLOCATION)
-        taint.index_put_((page,), contested, accumulate=True)
+        claimable = (st == PageState.FREE) | (st == PageState.ALLOCATED)
+        if self.host_reads_free:
+            # CPU: check the common case (every target fresh and in place, every claim of a free
+            # page, no page claimed twice) at once; diagnose kind by kind only when it fails.
+            ok = table_ok & in_place & ~written & (claimable | ~first)
+            claimed = page[first]
+            clean = bool(ok.all()) and torch.unique(claimed).numel() == claimed.numel()
+        else:
+            clean = False
+        if not clean:
+            flag(b, ~table_ok, Kind.TABLE_MISMATCH)
+            flag(b, ~in_place, Kind.MISPLACED_SLOT)
+            flag(b, written, Kind.OVERWRITE)
+            taint.index_put_((page,), written, accumulate=True)
+            claimed_busy = first & ~claimable
+            flag(b, claimed_busy & (st == PageState.OWNED), Kind.DOUBLE_ALLOCATION)
+            flag(b, claimed_busy & (st == PageState.SHARED), Kind.WRITE_TO_SHARED)
+            flag(b, claimed_busy & (st == PageState.QUARANTINED), Kind.QUARANTINED_PAGE)
+            taint.index_put_((page,), claimed_busy, accumulate=True)
+            # Two rows claiming one page in the same step: both are double allocations.
+            claims = torch.zeros(L.num_pages, dtype=torch.int64, device=L.device)
+            claims.index_add_(0, page, first.to(torch.int64))
+            contested = first & (claims[page] > 1)
+            flag(b, contested, Kind.DOUBLE_ALLOCATION)
+            taint.index_put_((page,), contested, accumulate=True)
 
         # Claim: epochs are unique per (step, token), so a stale reference never validates.
         epoch = (v.step << 20) + torch.arange(1, s.numel() + 1, device=L.device)
-        cp = torch.where(first, page, torch.zeros_like(page))  # page 0 is SGLang's padding page
-        keep = ~first
-        L.state[cp] = torch.where(keep, L.state[cp], torch.full_like(L.state[cp], PageState.OWNED))
-        L.epoch[cp] = torch.where(keep, L.epoch[cp], epoch)
-        L.owner_row[cp] = torch.where(keep, L.owner_row[cp], r.to(torch.int32))
-        L.lpage[cp] = torch.where(keep, L.lpage[cp], lp.to(torch.int32))
-        rr, ll = torch.where(first, r, 0), torch.where(first, lp, 0)  # row 0 is SGLang's padding row
-        R.epoch[rr, ll] = torch.where(keep, R.epoch[rr, ll], epoch)
-        L.record(torch.where(first, page, torch.zeros_like(page)), Event.CLAIM, v.step, r)
+        if self.host_reads_free:
+            fi = torch.nonzero(first).reshape(-1)
+            cp, cr, clp = page[fi], r[fi], lp[fi]
+            L.state[cp] = PageState.OWNED
+            L.epoch[cp] = epoch[fi]
+            L.owner_row[cp] = cr.to(torch.int32)
+            L.lpage[cp] = clp.to(torch.int32)
+            R.epoch[cr, clp] = epoch[fi]
+            L.record(cp, Event.CLAIM, v.step, cr)
+        else:
+            cp = torch.where(first, page, torch.zeros_like(page))  # page 0 is SGLang's padding page
+            keep = ~first
+            L.state[cp] = torch.where(keep, L.state[cp], torch.full_like(L.state[cp], PageState.OWNED))
+            L.epoch[cp] = torch.where(keep, L.epoch[cp], epoch)
+            L.owner_row[cp] = torch.where(keep, L.owner_row[cp], r.to(torch.int32))
+            L.lpage[cp] = torch.where(keep, L.lpage[cp], lp.to(torch.int32))
+            rr, ll = torch.where(first, r, 0), torch.where(first, lp, 0)  # row 0 is SGLang's padding row
+            R.epoch[rr, ll] = torch.where(keep, R.epoch[rr, ll], epoch)
+            L.record(torch.where(first, page, torch.zeros_like(page)), Event.CLAIM, v.step, r)
 
         # Every written token: its page must now be ours (claimed above or earlier).
         st = L.state[page]
         mine = (L.epoch[page] == R.epoch[r, lp]) & (st == PageState.OWNED)
-        flag(b, ~mine & (st == PageState.SHARED), Kind.WRITE_TO_SHARED)
-        flag(b, ~mine & (st != PageState.SHARED), Kind.WRONG_OWNER)
-        taint.index_put_((page,), ~mine, accumulate=True)
+        if not (self.host_reads_free and bool(mine.all())):
+            flag(b, ~mine & (st == PageState.SHARED), Kind.WRITE_TO_SHARED)
+            flag(b, ~mine & (st != PageState.SHARED), Kind.WRONG_OWNER)
+            taint.index_put_((page,), ~mine, accumulate=True)
 
         # Token chain: bound into the slot (the page's tag) and into the reader's record.
         prev = (v.prefix_lens.to(torch.int64) - 1).clamp(min=0)
@@ -166,6 +200,13 @@ class StepChecker:
         st = L.state[page]
         live = (st == PageState.OWNED) | (st == PageState.SHARED)
         tag_ok = (L.epoch[page] == R.epoch[r, lp]) & live
+        if v.prefix_tokens is None and self.host_reads_free:
+            in_place = (slots % ps) == (pos % ps)
+            clean = tag_ok & (L.chain[slots] == R.chain[r, pos]) & in_place & R.sealed[r, pos]
+            if bool((clean | ~valid).all()):
+                # Every read carries its reader's tags: only the checksum checks remain.
+                self._verify_read_bytes(v, slots, pos, r, bidx, valid, page, taint, flag)
+                return bidx, valid, page
 
         # The token chain the reader expects at each position: from its own prompt on a
         # prefix-cache hand-off (extend steps), else from its own record.
@@ -189,7 +230,7 @@ class StepChecker:
         flag(bidx, valid & ~tag_ok & live & ~chain_ok, mismatch_kind)
         flag(bidx, valid & ~tag_ok & live & chain_ok & ~written, Kind.READ_UNWRITTEN)
         flag(bidx, valid & tag_ok & ~chain_ok, mismatch_kind)
-        flag(bidx, valid & (st == PageState.QUARANTINED), Kind.QUARANTINED_PAGE)
+        quarantined = valid & (st == PageState.QUARANTINED)
         stale = valid & ~live & (st != PageState.QUARANTINED)
         flag(bidx, stale, Kind.WRONG_OWNER)
         # A freed page still referenced (use-after-free): withhold it before it is reused.
@@ -210,26 +251,49 @@ class StepChecker:
             flag(bidx, bad, Kind.CHECKSUM_MISMATCH)
             taint.index_put_((page.reshape(-1),), bad.reshape(-1), accumulate=True)
         # A slot out of place (entries swapped) is not bad content: it must not taint its page.
-        tag_ok = (tag_ok | adopt) & ((slots % ps) == (pos % ps))
+        in_place = (slots % ps) == (pos % ps)
+        tag_ok = (tag_ok | adopt) & in_place
         flag(bidx, valid & tag_ok & ~R.sealed[r, pos], Kind.READ_UNWRITTEN)
-        if self.config.mode is Mode.PARANOID:
+        if self._verify_all():
             found = self._digests(slots.reshape(-1), pos.reshape(-1)).view_as(slots)
-            bad = valid & tag_ok & R.sealed[r, pos] & (found != R.digest[r, pos])
+            intact = R.sealed[r, pos] & (found == R.digest[r, pos])
+            bad = valid & tag_ok & ~intact & R.sealed[r, pos]
+            flag(bidx, bad, Kind.CHECKSUM_MISMATCH)
+            taint.index_put_((page.reshape(-1),), bad.reshape(-1), accumulate=True)
+            # A quarantined page still carrying this reader's tag, chain and sealed bytes is read
+            # intact (the bad bytes were elsewhere, or a late load has landed): the page stays
+            # withheld from reuse, the reader goes on.
+            mine = (L.epoch[page] == R.epoch[r, lp]) & chain_ok & in_place & intact
+            flag(bidx, quarantined & ~mine, Kind.QUARANTINED_PAGE)
+            return bidx, valid, page
+        flag(bidx, quarantined, Kind.QUARANTINED_PAGE)
+        self._verify_read_bytes(v, slots, pos, r, bidx, valid & tag_ok, page, taint, flag)
+        return bidx, valid, page
+
+    def _verify_all(self) -> bool:
+        return self.config.mode is Mode.PARANOID or (self.config.checksums and self.escalated)
+
+    def _verify_read_bytes(self, v: StepView, slots, pos, r, bidx, ok, page, taint, flag):
+        """Checksums of the read set: all of it (paranoid, or escalated after a quarantine), or a
+        rolling window (sampled). ``ok``: reads whose tags verified (only those are hashed)."""
+        R, ps = self.records, self.ledger.page_size
+        if self._verify_all():
+            found = self._digests(slots.reshape(-1), pos.reshape(-1)).view_as(slots)
+            bad = ok & R.sealed[r, pos] & (found != R.digest[r, pos])
             flag(bidx, bad, Kind.CHECKSUM_MISMATCH)
             taint.index_put_((page.reshape(-1),), bad.reshape(-1), accumulate=True)
         elif self.config.mode is Mode.SAMPLED and self.config.sweep_tokens_per_step:
             # Rolling window over this batch's read set: the KV about to be read is re-hashed
             # first, so a read set within the budget is fully verified every step.
-            n = B * v.max_prefix_len
+            n = slots.numel()
             k = min(self.config.sweep_tokens_per_step, n)
-            idx = (torch.arange(k, device=dev) + self.read_cursor) % n
+            idx = (torch.arange(k, device=slots.device) + self.read_cursor) % n
             self.read_cursor = (self.read_cursor + k) % n
             ws, wp, wb, wr = (t.reshape(-1)[idx] for t in (slots, pos, bidx, r))
-            ok = (valid & tag_ok).reshape(-1)[idx] & R.sealed[wr, wp]
-            bad = ok & (self._digests(ws, wp) != R.digest[wr, wp])
+            wok = ok.reshape(-1)[idx] & R.sealed[wr, wp]
+            bad = wok & (self._digests(ws, wp) != R.digest[wr, wp])
             flag(wb, bad, Kind.CHECKSUM_MISMATCH)
             taint.index_put_((torch.div(ws, ps, rounding_mode="floor"),), bad, accumulate=True)
-        return bidx, valid, page
 
     def _sweep(self, step: int, taint: torch.Tensor):
         """Re-hash a rolling window of resting slots against their first-seal digests."""

@@ -64,6 +64,7 @@ class Guard:
     def before_forward(self, view: StepView) -> StepVerdict:
         t0 = time.perf_counter()
         self.step = view.step
+        self.checker.escalated = self.flush_wanted  # a quarantine not yet flushed: verify every read
         # Pages found bad between forwards (allocation) count as found in this step.
         verdict = self.checker.before_forward(view, self._pending_taint)
         self._pending_taint = torch.zeros_like(self._pending_taint)

@@ -89,6 +89,35 @@ class SGLangControl:
             alloc.num_staged_pages = sum(p.numel() for p in alloc.staged_pages)
         return removed
 
+    def rebuild_free_list(self) -> int:
+        """Fully idle, after contained violations: the engine bug may have left a page both free
+        and cached, or twice in the free list, or leaked. With no request running, a page is free
+        iff the prefix tree does not hold it and the guard has not quarantined it. Returns the
+        change in free pages."""
+        from kvguard.ledger import PageState
+
+        sched, L = self.scheduler, _guard.ledger
+        alloc = sched.token_to_kv_pool_allocator
+        ps = alloc.page_size
+        n = alloc.num_pages if ps > 1 else alloc.size
+        held = torch.zeros(n + 1, dtype=torch.bool, device=L.device)
+        held[0] = True  # SGLang's padding page
+        tree = sched.tree_cache
+        if tree.evictable_size() or tree.protected_size():
+            held[torch.div(tree.all_values_flatten().to(L.device, torch.int64), ps, rounding_mode="floor")] = True
+        quarantined = L.state[: n + 1] == PageState.QUARANTINED
+        free = torch.nonzero(~held & ~quarantined).reshape(-1)
+        before = alloc.available_size() // ps
+        newly = free[L.state[free] != PageState.FREE]
+        L.release(newly, _guard.step)
+        alloc.free_pages = free.to(alloc.device)
+        if hasattr(alloc, "release_pages"):
+            alloc.release_pages = free[:0].to(alloc.device)
+        if getattr(alloc, "staged_pages", None):
+            alloc.staged_pages, alloc.num_staged_pages = [], 0
+        L.num_quarantined = int((quarantined & ~held).sum())
+        return int(free.numel()) - before
+
 
 # -- Scheduler.__init__ (AFTER) -------------------------------------------------------------------------
 def attach(result, scheduler, *args, **kwargs):
@@ -386,8 +415,25 @@ def around_memory_check(original, checker, *args, **kwargs):
     except ValueError as exc:
         if _guard is None or not _guard.actions.num_violations:
             raise
+        repaired = None
+        if _scheduler is not None and _scheduler.is_fully_idle():
+            repaired = SGLangControl(_scheduler).rebuild_free_list()
         log.warning("kvguard_engine_memory_check_after_violations", error=str(exc),
-                    violations=_guard.actions.num_violations)
+                    violations=_guard.actions.num_violations, free_pages_rebuilt=repaired)
+
+
+# -- SchedulerPoolStatsObserver._get_token_info (AROUND) ----------------------------------------------
+def around_token_info(original, observer, *args, **kwargs):
+    """An engine bug the guard contained (a page both free and cached) can make SGLang's used-token
+    count negative until the next idle repair; its usage assertion would then stop the scheduler
+    mid-serving. Report zero usage instead, only after violations."""
+    stats = original(observer, *args, **kwargs)
+    if stats.full_num_used < 0 and _guard is not None and _guard.actions.num_violations:
+        import dataclasses
+
+        log.warning("kvguard_pool_overcounted", used=stats.full_num_used)
+        return dataclasses.replace(stats, full_num_used=0, full_token_usage=0.0)
+    return stats
 
 
 # -- SchedulerInvariantChecker._check_pool_invariant (AROUND) -------------------------------------------------

@@ -47,9 +47,12 @@ GUARD_TARGETS = [
      "count quarantined pages in SGLang's idle memory self-check"),
     ("sglang.srt.managers.scheduler_components.invariant_checker.SchedulerInvariantChecker._report_leak",
      "AROUND", "sglang_guard.around_memory_check",
-     "after contained violations, a footprint of the engine bug is reported, not fatal"),
+     "after contained violations, the engine bug's footprint is reported and, when idle, the free list rebuilt"),
     ("sglang.srt.managers.scheduler_components.invariant_checker.SchedulerInvariantChecker._check_kv_page_invariants",
      "AROUND", "sglang_guard.around_memory_check", "same, for SGLang's use-after-free / double-free scan"),
+    ("sglang.srt.managers.scheduler_components.pool_stats_observer.SchedulerPoolStatsObserver._get_token_info",
+     "AROUND", "sglang_guard.around_token_info",
+     "after contained violations, a page both free and cached must not make usage < 0 (an assert)"),
     ("sglang.srt.managers.scheduler.Scheduler.get_init_info", "AFTER", "guard_status.add_to_init_info",
      "report the guard's mode and pid in the start-up handshake (kvguard.install, /server_info)"),
 ]
