@@ -22,6 +22,9 @@ from kvguard.step import StepView
 from kvguard.verdict import Kind
 
 _TOKEN_MUL = to_signed64(0x9E3779B97F4A7C15)
+# sampled mode re-hashes its budget in batches: every SAMPLE_EVERY steps, SAMPLE_EVERY steps' worth
+# of tokens, so a checksum call's fixed cost (dozens of small tensor ops) is paid once per batch.
+SAMPLE_EVERY = 8
 
 
 def chain_terms(tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -58,6 +61,7 @@ class StepChecker:
         # Set by the guard after a quarantine, until the engine flushes its caches: every read is
         # verified (as in paranoid), so readers of a quarantined page whose bytes are intact go on.
         self.escalated = False
+        self._sample_now = False  # this step runs sampled mode's batched re-hash
         # On CPU a host read of a device value costs nothing (no sync), so a step whose reads are
         # all clean (the common case) skips the per-kind diagnosis; on GPU every step runs the
         # branch-free path so that nothing waits on the device.
@@ -83,7 +87,9 @@ class StepChecker:
             hit.index_add_(0, batch_idx.reshape(-1), mask.reshape(-1).to(torch.int64))
             kinds.bitwise_or_((hit > 0).to(torch.int64) * int(kind))
 
-        if self.config.mode is Mode.SAMPLED and self.config.sweep_tokens_per_step:
+        self._sample_now = (self.config.mode is Mode.SAMPLED and self.config.sweep_tokens_per_step > 0
+                            and v.step % SAMPLE_EVERY == 0)
+        if self._sample_now:
             self._sweep(v.step, taint)
         # Reads first: adoption fills the records the write chain continues from.
         reads = self._check_reads(v, rows, taint, flag) if v.max_prefix_len > 0 else None
@@ -144,13 +150,14 @@ class StepChecker:
         epoch = (v.step << 20) + torch.arange(1, s.numel() + 1, device=L.device)
         if self.host_reads_free:
             fi = torch.nonzero(first).reshape(-1)
-            cp, cr, clp = page[fi], r[fi], lp[fi]
-            L.state[cp] = PageState.OWNED
-            L.epoch[cp] = epoch[fi]
-            L.owner_row[cp] = cr.to(torch.int32)
-            L.lpage[cp] = clp.to(torch.int32)
-            R.epoch[cr, clp] = epoch[fi]
-            L.record(cp, Event.CLAIM, v.step, cr)
+            if fi.numel():  # most decode steps claim nothing
+                cp, cr, clp = page[fi], r[fi], lp[fi]
+                L.state[cp] = PageState.OWNED
+                L.epoch[cp] = epoch[fi]
+                L.owner_row[cp] = cr.to(torch.int32)
+                L.lpage[cp] = clp.to(torch.int32)
+                R.epoch[cr, clp] = epoch[fi]
+                L.record(cp, Event.CLAIM, v.step, cr)
         else:
             cp = torch.where(first, page, torch.zeros_like(page))  # page 0 is SGLang's padding page
             keep = ~first
@@ -173,7 +180,12 @@ class StepChecker:
         # Token chain: bound into the slot (the page's tag) and into the reader's record.
         prev = (v.prefix_lens.to(torch.int64) - 1).clamp(min=0)
         base = torch.where(v.prefix_lens > 0, R.chain[rows, prev], self._seeds(v, None))
-        chain = base[b] + segment_prefix_sums(chain_terms(v.write_tokens, p), b, rows.numel())
+        terms = chain_terms(v.write_tokens, p)
+        if s.numel() == rows.numel() and self.host_reads_free:
+            chain = base + terms  # one token per request (decode): b is 0..B-1 in order
+            chain = chain[b]
+        else:
+            chain = base[b] + segment_prefix_sums(terms, b, rows.numel())
         L.chain[s] = chain
         R.chain[r, p] = chain
         R.sealed[r, p] = False
@@ -282,11 +294,11 @@ class StepChecker:
             bad = ok & R.sealed[r, pos] & (found != R.digest[r, pos])
             flag(bidx, bad, Kind.CHECKSUM_MISMATCH)
             taint.index_put_((page.reshape(-1),), bad.reshape(-1), accumulate=True)
-        elif self.config.mode is Mode.SAMPLED and self.config.sweep_tokens_per_step:
+        elif self._sample_now:
             # Rolling window over this batch's read set: the KV about to be read is re-hashed
-            # first, so a read set within the budget is fully verified every step.
+            # first, so a read set within the budget is fully verified every SAMPLE_EVERY steps.
             n = slots.numel()
-            k = min(self.config.sweep_tokens_per_step, n)
+            k = min(self.config.sweep_tokens_per_step * SAMPLE_EVERY, n)
             idx = (torch.arange(k, device=slots.device) + self.read_cursor) % n
             self.read_cursor = (self.read_cursor + k) % n
             ws, wp, wb, wr = (t.reshape(-1)[idx] for t in (slots, pos, bidx, r))
@@ -298,7 +310,7 @@ class StepChecker:
     def _sweep(self, step: int, taint: torch.Tensor):
         """Re-hash a rolling window of resting slots against their first-seal digests."""
         L, ps = self.ledger, self.ledger.page_size
-        n = min(max(self.config.sweep_tokens_per_step // 4, 1), L.num_slots)
+        n = min(max(self.config.sweep_tokens_per_step // 4, 1) * SAMPLE_EVERY, L.num_slots)
         slots = (torch.arange(n, device=L.device) + self.sweep_cursor) % L.num_slots
         self.sweep_cursor = (self.sweep_cursor + n) % L.num_slots
         page = torch.div(slots, ps, rounding_mode="floor")

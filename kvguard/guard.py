@@ -86,6 +86,11 @@ class Guard:
         every rank aborts and quarantines exactly the same things."""
         t0 = time.perf_counter()
         B = verdict.kinds.numel()
+        if agree is None and self.checker.host_reads_free and not (
+            bool(verdict.kinds.any()) or bool(verdict.taint.any()) or bool(self._double_freed.any())
+        ):
+            self._account(t0)
+            return []  # CPU, one rank, a clean step: nothing to gather
         summary = torch.cat((verdict.kinds, verdict.taint.to(torch.int64),
                              self._double_freed.any().to(torch.int64).reshape(1)))
         if agree is not None:
@@ -226,3 +231,4 @@ class Guard:
                 })
         rid = v.request_ids[b] if v.request_ids else None
         return Violation(new_violation_id(), kinds, v.step, rid, row, list(pages.values()))
+

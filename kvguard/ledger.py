@@ -100,12 +100,20 @@ class PageLedger:
         mask of pages handed out while still held (double allocation)."""
         slots = slots.to(torch.int64)
         first = (slots % self.page_size) == 0
+        held = torch.zeros(self.num_pages, dtype=torch.bool, device=self.device)
+        if self.device.type == "cpu":  # host reads are free: touch only the new pages
+            page = torch.div(slots[first], self.page_size, rounding_mode="floor")
+            busy = self.state[page] != PageState.FREE
+            self.state[page] = PageState.ALLOCATED
+            self.record(page, Event.ALLOC, step)
+            if bool(busy.any()):
+                held[page[busy]] = True
+            return held
         page = torch.where(first, torch.div(slots, self.page_size, rounding_mode="floor"), 0)
         st = self.state[page]
         busy = first & (st != PageState.FREE)
         self.state[page] = torch.where(first, torch.full_like(st, PageState.ALLOCATED), st)
         self.record(page, Event.ALLOC, step)
-        held = torch.zeros(self.num_pages, dtype=torch.bool, device=self.device)
         held.index_put_((page,), busy, accumulate=True)
         return held
 

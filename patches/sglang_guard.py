@@ -48,6 +48,12 @@ def active_guard() -> Guard | None:
     return _guard
 
 
+def _on() -> bool:
+    """A guard is attached and checking (a benchmark may switch it to ``off`` at run time: then
+    every hook is inert, and the ledger is reset by the pool flush that precedes the next mode)."""
+    return _guard is not None and _guard.active
+
+
 class SGLangControl:
     """EngineControl for SGLang: what the guard's action layer may do to the engine."""
 
@@ -152,7 +158,7 @@ def attach(result, scheduler, *args, **kwargs):
 
 # -- TpModelWorker.forward_batch_generation (AROUND) ---------------------------------------------------
 def around_worker_forward(original, worker, batch=None, *args, **kwargs):
-    if _guard is None:
+    if not _on():
         return original(worker, batch, *args, **kwargs)
     _local.batch, _local.verdict = batch, None
     try:
@@ -314,25 +320,27 @@ def release_aborted(scheduler, req):
 
 # -- allocator frees (AROUND) -----------------------------------------------------------------------------
 def around_release_pages(original, allocator, *page_ids):
-    if _guard is None or not page_ids:
+    if not _on() or not page_ids:
         return original(allocator, *page_ids)
     return original(allocator, *[_guard.on_release(p) for p in page_ids])
 
 
 def around_token_free(original, allocator, free_index):
-    if _guard is None or free_index.numel() == 0 or allocator.free_group is not None:
+    if not _on() or free_index.numel() == 0 or allocator.free_group is not None:
         return original(allocator, free_index)  # grouped frees come back here ungrouped
     return original(allocator, _guard.on_release(free_index))
 
 
 # -- allocator allocations and clears (AFTER) --------------------------------------------------------------------
 def on_slots_allocated(result, allocator, *args, **kwargs):
-    if _guard is not None and isinstance(result, torch.Tensor) and result.numel():
+    if _on() and isinstance(result, torch.Tensor) and result.numel():
         _guard.on_alloc(result)
     return result
 
 
 def on_pool_cleared(result, allocator, *args, **kwargs):
+    if _mode_file is not None:
+        _reload_mode()  # benchmarks switch modes between a flush and the next round
     if _guard is not None:
         _guard.reset()
     return result
@@ -340,7 +348,7 @@ def on_pool_cleared(result, allocator, *args, **kwargs):
 
 # -- UnifiedRadixCache.checkpoint_into_tree (AROUND) ---------------------------------------------------------
 def around_checkpoint_into_tree(original, cache, req, *args, **kwargs):
-    if _guard is None or not req.kv.holds_kv:
+    if not _on() or not req.kv.holds_kv:
         return original(cache, req, *args, **kwargs)
     row = int(req.kv.req_pool_idx)
     if _guard.actions.num_quarantined_total and _insert_meets_quarantine(cache, req, kwargs.get("up_to")):

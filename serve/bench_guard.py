@@ -1,11 +1,12 @@
 """Guard overhead benchmark: tokens/s and inter-token latency, guard off vs each mode, in one run.
 
-Two kvguard-serve servers on the same model: one started with ``--kvguard-mode off`` (no hooks
-at all: the true baseline) and one guarded server whose mode is switched between rounds through
-``KVGUARD_MODE_FILE``. Rounds interleave the configurations (off, tags, sampled, paranoid, off,
-...) so drift on a shared machine hits all of them alike; only one server works at a time. Each
-round flushes the prefix cache, then streams the same greedy workload (concurrent requests) and
-records every token's arrival time.
+One guarded kvguard-serve whose mode is switched between rounds through ``KVGUARD_MODE_FILE``
+(``off`` there: the hooks stay installed but do nothing). Rounds interleave the modes (off, tags,
+sampled, paranoid, off, ...) so drift on a shared machine hits all of them alike. Each round
+flushes the prefix cache (which also resets the guard's ledger), then streams the same greedy
+workload (concurrent requests) and records every token's arrival time. Before that, a server
+started with ``--kvguard-mode off`` (no hooks at all) runs the same rounds alone, to show what the
+idle hooks cost. Servers never run side by side: an idle SGLang scheduler busy-polls a core.
 
     python -m kvguard.serve.bench_guard [--rounds 3] [--concurrency 16] [--max-new-tokens 64]
 """
@@ -150,42 +151,46 @@ def main(argv=None):
     extra += ["--max-total-tokens", "8192", "--page-size", "16"]
 
     work = Path(tempfile.mkdtemp(prefix="kvguard-bench-"))
-    mode_file = work / "mode"
-    mode_file.write_text("sampled")
+    prompts = workload(a.concurrency)
+    results = {m: [] for m in ["no hooks"] + MODES}
+
+    def measure(srv, mode, r):
+        srv.flush()  # every round starts from an empty prefix cache (and a reset ledger)
+        before = srv.guard_counters()
+        res = asyncio.run(run_round(srv.url, prompts, a.max_new_tokens))
+        after = srv.guard_counters()
+        # Host time inside guard hooks during this round, as a share of the round's wall time:
+        # the scheduler is one thread, so this is what the guard adds to its steps.
+        res["guard_seconds"], res["guard_steps"] = after[0] - before[0], after[1] - before[1]
+        results[mode].append(res)
+        print(f"round {r + 1} {mode:9s} {res['tokens'] / res['seconds']:8.1f} tok/s  "
+              f"p50 ITL {1000 * pct(res['itl'], 0.5):6.2f} ms  p99 {1000 * pct(res['itl'], 0.99):6.2f} ms  "
+              f"guard {100 * res['guard_seconds'] / res['seconds']:5.2f}% of wall "
+              f"({1000 * res['guard_seconds'] / max(res['guard_steps'], 1):.3f} ms/step)", flush=True)
+
     base = Server("off", extra, work, None)
-    guarded = Server("sampled", extra, work, mode_file)
-    results = {m: [] for m in MODES}
     try:
         base.wait()
-        guarded.wait()
-        prompts = workload(a.concurrency)
-        for srv in (base, guarded):  # warm-up: first-touch costs out of the measurement
-            asyncio.run(run_round(srv.url, prompts[:4], 8))
+        asyncio.run(run_round(base.url, prompts[:4], 8))  # warm-up: first-touch costs out
         for r in range(a.rounds):
-            for mode in MODES:
-                srv = base if mode == "off" else guarded
-                if srv is guarded:
-                    mode_file.write_text(mode)
-                srv.flush()  # every round starts from an empty prefix cache (and a reset ledger)
-                before = guarded.guard_counters()
-                res = asyncio.run(run_round(srv.url, prompts, a.max_new_tokens))
-                after = guarded.guard_counters()
-                # Host time inside guard hooks during this round, as a share of the round's wall
-                # time: the scheduler is one thread, so this is what the guard adds to its steps.
-                res["guard_seconds"] = after[0] - before[0] if srv is guarded else 0.0
-                res["guard_steps"] = after[1] - before[1] if srv is guarded else 0.0
-                results[mode].append(res)
-                print(f"round {r + 1} {mode:9s} {res['tokens'] / res['seconds']:8.1f} tok/s  "
-                      f"p50 ITL {1000 * pct(res['itl'], 0.5):6.2f} ms  p99 {1000 * pct(res['itl'], 0.99):6.2f} ms  "
-                      f"guard {100 * res['guard_seconds'] / res['seconds']:5.2f}% of wall "
-                      f"({1000 * res['guard_seconds'] / max(res['guard_steps'], 1):.3f} ms/step)",
-                      flush=True)
+            measure(base, "no hooks", r)
     finally:
         base.stop()
+    mode_file = work / "mode"
+    mode_file.write_text("off")
+    guarded = Server("sampled", extra, work, mode_file)
+    try:
+        guarded.wait()
+        asyncio.run(run_round(guarded.url, prompts[:4], 8))
+        for r in range(a.rounds):
+            for mode in MODES:
+                mode_file.write_text(mode)  # read by the scheduler at the flush below
+                measure(guarded, mode, r)
+    finally:
         guarded.stop()
 
     summary = {}
-    for mode in MODES:
+    for mode in results:
         rs = results[mode]
         tps = statistics.median(r["tokens"] / r["seconds"] for r in rs)
         itl = [x for r in rs for x in r["itl"]]
