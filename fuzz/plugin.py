@@ -74,6 +74,9 @@ def around_run_batch(original, sched, batch, *args, **kwargs):
                     _record(st, inj, "victims")
             if inj.cleanup is not None and inj.cleanup(sched):
                 inj.cleanup = None
+        rank = sched.tp_group.rank_in_group
+        while st.queue and st.queue[0].get("rank", rank) != rank:
+            st.queue.pop(0)  # meant for another tensor-parallel rank's KV (e.g. one GPU's bit flip)
         if st.queue and batch is not None:
             entry = st.queue[0]
             entry.setdefault("tries", 0)

@@ -95,3 +95,10 @@ CANARY_TARGETS = [
     ("sglang.srt.utils.phase_checker.SimplePhaseChecker.update", "AROUND",
      "kv_canary_cpu.phase_update", "the forward-bracket phase check is a Triton kernel: torch on CPU"),
 ]
+
+# Tensor parallelism on CPU (how kvguard's TP agreement is exercised without GPUs). Registered
+# whatever the guard mode; a no-op where CUDA exists.
+TP_TARGETS = [
+    ("sglang.srt.distributed.parallel_state.init_model_parallel_group", "AROUND",
+     "cpu_tensor_parallel.around_init_group", "no PyNccl communicator without CUDA (gloo all-reduce instead)"),
+]

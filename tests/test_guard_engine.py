@@ -126,3 +126,45 @@ def test_each_injected_bug_aborts_only_its_victims(tmp_path, capfd, page_size):
         assert [o["output_ids"] for o in fresh] == [r["output_ids"] for r in reference[:3]]
     finally:
         eng.shutdown()
+
+
+def test_tensor_parallel_ranks_agree(tmp_path):
+    """--tp 2 on CPU: a bit flipped in one rank's KV heads only. That rank's checksum fails, the
+    other's does not; the verdicts are OR-reduced over the TP group, so both ranks abort the same
+    request, neither hangs, and every other request answers as in the clean run."""
+    os.environ["SGLANG_CPU_OMP_THREADS_BIND"] = "0|1"
+    import sglang as sgl
+
+    eng = GuardedEngine.__new__(GuardedEngine)
+    eng.control, eng.fuzz_log, eng.plan = tmp_path / "control.json", tmp_path / "fuzz.jsonl", []
+    os.environ.update({
+        "SGLANG_USE_CPU_ENGINE": "1", "SGLANG_CACHE_DIR": str(tmp_path / "sglang-cache"),
+        "KVGUARD_MODE": "paranoid", "KVGUARD_LOG_FORMAT": "json",
+        "KVGUARD_FUZZ_CONTROL": str(eng.control), "KVGUARD_FUZZ_LOG": str(eng.fuzz_log),
+    })
+    model, _ = serving_model()
+    eng.engine = sgl.Engine(
+        model_path=str(model), device="cpu", attention_backend="torch_native", tp_size=2,
+        disable_cuda_graph=True, max_total_tokens=2048, page_size=16,
+        chunked_prefill_size=128, skip_server_warmup=True, log_level="warning",
+    )
+    try:
+        prompts = workload(8)
+        reference = eng.run(prompts)
+        assert all("error" not in r for r in reference)
+        eng.plan.append({"id": 1, "cls": "bit_flip", "seed": 3, "max_tries": 60, "rank": 0})
+        eng.control.write_text(json.dumps({"plan": eng.plan}))
+        out = eng.run(prompts, tag="flip")
+        recs = eng.injection_records(1)
+        assert recs and recs[0]["event"] == "injected", recs
+        victims = set().union(*(set(r["victims"]) for r in recs))
+        aborted = {o["rid"] for o in out if "error" in o}
+        assert aborted and aborted <= victims, (aborted, victims)
+        for o, r in zip(out, reference):
+            if "error" not in o:
+                assert o["output_ids"] == r["output_ids"]
+        fresh = eng.run(prompts[:2], tag="fresh")  # both ranks still in step
+        assert [o["output_ids"] for o in fresh] == [r["output_ids"] for r in reference[:2]]
+    finally:
+        eng.shutdown()
+        os.environ.pop("SGLANG_CPU_OMP_THREADS_BIND", None)
