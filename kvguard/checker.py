@@ -22,9 +22,10 @@ from kvguard.step import StepView
 from kvguard.verdict import Kind
 
 _TOKEN_MUL = to_signed64(0x9E3779B97F4A7C15)
-# sampled mode re-hashes its budget in batches: every SAMPLE_EVERY steps, SAMPLE_EVERY steps' worth
-# of tokens, so a checksum call's fixed cost (dozens of small tensor ops) is paid once per batch.
-SAMPLE_EVERY = 8
+# sampled mode sweeps resting KV in batches: every SWEEP_EVERY steps, SWEEP_EVERY steps' worth of
+# slots, so a checksum call's fixed cost (dozens of small tensor ops) is paid once per batch. The
+# read-set window runs every step: it is what catches a bad token before it is read.
+SWEEP_EVERY = 8
 
 
 def chain_terms(tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -61,7 +62,7 @@ class StepChecker:
         # Set by the guard after a quarantine, until the engine flushes its caches: every read is
         # verified (as in paranoid), so readers of a quarantined page whose bytes are intact go on.
         self.escalated = False
-        self._sample_now = False  # this step runs sampled mode's batched re-hash
+        self._sample_now = False  # sampled mode with a budget: the read-set window runs
         # On CPU a host read of a device value costs nothing (no sync), so a step whose reads are
         # all clean (the common case) skips the per-kind diagnosis; on GPU every step runs the
         # branch-free path so that nothing waits on the device.
@@ -87,9 +88,8 @@ class StepChecker:
             hit.index_add_(0, batch_idx.reshape(-1), mask.reshape(-1).to(torch.int64))
             kinds.bitwise_or_((hit > 0).to(torch.int64) * int(kind))
 
-        self._sample_now = (self.config.mode is Mode.SAMPLED and self.config.sweep_tokens_per_step > 0
-                            and v.step % SAMPLE_EVERY == 0)
-        if self._sample_now:
+        self._sample_now = self.config.mode is Mode.SAMPLED and self.config.sweep_tokens_per_step > 0
+        if self._sample_now and v.step % SWEEP_EVERY == 0:
             self._sweep(v.step, taint)
         # Reads first: adoption fills the records the write chain continues from.
         reads = self._check_reads(v, rows, taint, flag) if v.max_prefix_len > 0 else None
@@ -296,9 +296,9 @@ class StepChecker:
             taint.index_put_((page.reshape(-1),), bad.reshape(-1), accumulate=True)
         elif self._sample_now:
             # Rolling window over this batch's read set: the KV about to be read is re-hashed
-            # first, so a read set within the budget is fully verified every SAMPLE_EVERY steps.
+            # first, so a read set within the budget is fully verified every step.
             n = slots.numel()
-            k = min(self.config.sweep_tokens_per_step * SAMPLE_EVERY, n)
+            k = min(self.config.sweep_tokens_per_step, n)
             idx = (torch.arange(k, device=slots.device) + self.read_cursor) % n
             self.read_cursor = (self.read_cursor + k) % n
             ws, wp, wb, wr = (t.reshape(-1)[idx] for t in (slots, pos, bidx, r))
@@ -310,7 +310,7 @@ class StepChecker:
     def _sweep(self, step: int, taint: torch.Tensor):
         """Re-hash a rolling window of resting slots against their first-seal digests."""
         L, ps = self.ledger, self.ledger.page_size
-        n = min(max(self.config.sweep_tokens_per_step // 4, 1) * SAMPLE_EVERY, L.num_slots)
+        n = min(max(self.config.sweep_tokens_per_step // 4, 1) * SWEEP_EVERY, L.num_slots)
         slots = (torch.arange(n, device=L.device) + self.sweep_cursor) % L.num_slots
         self.sweep_cursor = (self.sweep_cursor + n) % L.num_slots
         page = torch.div(slots, ps, rounding_mode="floor")

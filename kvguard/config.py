@@ -21,9 +21,9 @@ class ConfigError(ValueError):
 @dataclass(frozen=True, slots=True)
 class GuardConfig:
     mode: Mode = Mode.SAMPLED
-    # sampled mode, per step on average: this many tokens of the batch's read set are re-hashed
-    # (a rolling window; run in batches of 8 steps' worth every 8 steps), and a quarter as many
-    # resting ones.
+    # sampled mode, per step: this many tokens of the batch's read set are re-hashed (a rolling
+    # window, so a read set this small is fully verified every step), and a quarter as many
+    # resting ones on average (swept in batches every 8 steps).
     sweep_tokens_per_step: int = 1024
     tenant_isolation: bool = False  # bind a request's tenant into its prefix chain
     log_history: int = 4  # events per page kept for forensic records (fixed by the ledger)
