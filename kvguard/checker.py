@@ -48,6 +48,9 @@ class StepVerdict:
     view: StepView
     kinds: torch.Tensor  # [B] int64 bitmask of Kind per request
     taint: torch.Tensor  # [num_pages] bool: pages whose content this step proved bad
+    # epoch of each tainted page when the step was checked (-1 elsewhere; None: nothing tainted):
+    # a page re-handed out before the verdict is read is the new owner's, not bad any more
+    taint_epoch: torch.Tensor | None = None
 
 
 class StepChecker:
@@ -105,7 +108,10 @@ class StepChecker:
             # A page found bad anywhere this step poisons every read of it.
             bidx, valid, page = reads
             flag(bidx, valid & taint[page], Kind.QUARANTINED_PAGE)
-        return StepVerdict(view=v, kinds=kinds, taint=taint)
+        taint_epoch = None
+        if not (self.host_reads_free and not bool(taint.any())):
+            taint_epoch = torch.where(taint, L.epoch, torch.full_like(L.epoch, -1))
+        return StepVerdict(view=v, kinds=kinds, taint=taint, taint_epoch=taint_epoch)
 
     def _check_writes(self, v: StepView, rows, taint, flag):
         L, R, ps = self.ledger, self.records, self.ledger.page_size

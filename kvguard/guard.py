@@ -91,7 +91,14 @@ class Guard:
         ):
             self._account(t0)
             return []  # CPU, one rank, a clean step: nothing to gather
-        summary = torch.cat((verdict.kinds, verdict.taint.to(torch.int64),
+        taint = verdict.taint
+        if verdict.taint_epoch is not None:
+            # The overlap scheduler reads a verdict a step late: a tainted page freed and handed
+            # out again meanwhile (re-claimed: new epoch; or allocated, about to be rewritten)
+            # belongs to a new owner and is not quarantined under it.
+            L = self.ledger
+            taint = taint & (L.epoch == verdict.taint_epoch) & (L.state != PageState.ALLOCATED)
+        summary = torch.cat((verdict.kinds, taint.to(torch.int64),
                              self._double_freed.any().to(torch.int64).reshape(1)))
         if agree is not None:
             summary = agree(summary)
