@@ -49,6 +49,7 @@ class Guard:
         self._hashed_reported = 0
         self._pending_taint = torch.zeros(self.ledger.num_pages, dtype=torch.bool, device=self.ledger.device)
         self._double_freed = torch.zeros(self.ledger.num_pages, dtype=torch.bool, device=self.ledger.device)
+        self._unresolved: StepVerdict | None = None  # the newest verdict not read yet
 
     def set_mode(self, mode) -> None:
         """Switch mode at run time (benchmarks interleave modes in one server). ``off`` here means
@@ -68,6 +69,7 @@ class Guard:
         # Pages found bad between forwards (allocation) count as found in this step.
         verdict = self.checker.before_forward(view, self._pending_taint)
         self._pending_taint = torch.zeros_like(self._pending_taint)
+        self._unresolved = verdict
         self.metrics.steps_checked.inc()
         self.metrics.tokens_checked.inc(view.write_slots.numel())
         self._account(t0)
@@ -85,6 +87,8 @@ class Guard:
         verdicts can differ; the adapter passes an all-reduce (bitwise OR) over the ranks so that
         every rank aborts and quarantines exactly the same things."""
         t0 = time.perf_counter()
+        if self._unresolved is verdict:
+            self._unresolved = None
         B = verdict.kinds.numel()
         if agree is None and self.checker.host_reads_free and not (
             bool(verdict.kinds.any()) or bool(verdict.taint.any()) or bool(self._double_freed.any())
@@ -138,6 +142,27 @@ class Guard:
         L.release(pages, self.step)
         self._account(t0)
         return pages
+
+    def unread_taint(self) -> bool:
+        """Did the newest unread verdict find bad pages? (CPU only, like suspect_before_resolve.)"""
+        v = self._unresolved
+        return v is not None and self.checker.host_reads_free and bool(v.taint.any())
+
+    def suspect_before_resolve(self, request_id=None, slots: torch.Tensor | None = None) -> bool:
+        """Was this request flagged, or does one of these slots sit in a page found bad, by a step
+        whose verdict is not read yet? An overlap scheduler prepares the next step (prefix-cache
+        inserts and hits) before it reads the last verdict. Answered where a host read is free
+        (CPU); elsewhere False: the verdict is then acted on one step later."""
+        v = self._unresolved
+        if v is None or not self.checker.host_reads_free:
+            return False
+        if request_id is not None and v.view.request_ids and bool(v.kinds.any()):
+            if request_id in {rid for rid, k in zip(v.view.request_ids, v.kinds.tolist()) if k}:
+                return True
+        if slots is not None and bool(v.taint.any()):
+            pages = torch.div(slots.to(torch.int64), self.ledger.page_size, rounding_mode="floor")
+            return bool(v.taint[pages.to(v.taint.device)].any())
+        return False
 
     def holds_quarantined(self, slots: torch.Tensor) -> bool:
         """Slow path (only once something was quarantined): does this slot list touch one?"""

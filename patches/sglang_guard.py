@@ -48,6 +48,12 @@ def active_guard() -> Guard | None:
     return _guard
 
 
+def _single_rank() -> bool:
+    """Host-side decisions from a rank's own unread verdict are only safe without tensor
+    parallelism: ranks' checksum verdicts differ until they are OR-reduced at resolve."""
+    return _scheduler is not None and getattr(_scheduler, "tp_size", 1) == 1
+
+
 def _on() -> bool:
     """A guard is attached and checking (a benchmark may switch it to ``off`` at run time: then
     every hook is inert, and the ledger is reset by the pool flush that precedes the next mode)."""
@@ -351,6 +357,13 @@ def around_checkpoint_into_tree(original, cache, req, *args, **kwargs):
     if not _on() or not req.kv.holds_kv:
         return original(cache, req, *args, **kwargs)
     row = int(req.kv.req_pool_idx)
+    if _single_rank() and "up_to" in kwargs and _guard.suspect_before_resolve(req.rid):
+        # Flagged by a step whose verdict is not read yet (it aborts this request next): what it
+        # computed stays out of the prefix cache. Inserting only the part the tree already
+        # holds keeps SGLang's own bookkeeping (locks, release of the rest) on its usual path.
+        log.warning("kvguard_tree_insert_skipped", request=req.rid, reason="flagged")
+        kwargs["up_to"] = min(kwargs["up_to"], req.kv.cache_protected_len)
+        return original(cache, req, *args, **kwargs)
     if _guard.actions.num_quarantined_total and _insert_meets_quarantine(cache, req, kwargs.get("up_to")):
         # The tree would swap this request's pages for its own copies, quarantined ones among
         # them: keep the request on its own pages (as if barred from the tree this once).
@@ -390,10 +403,15 @@ def around_match_prefix(original, cache, params, *args, **kwargs):
     scratch instead of being aborted, and the bad node ages out of the tree unused (its pages are
     withheld when the tree finally frees them)."""
     result = original(cache, params, *args, **kwargs)
-    if _guard is None or not _guard.actions.num_quarantined_total or not result.device_prefix_len:
+    if not _on() or not result.device_prefix_len:
+        return result
+    quarantine = bool(_guard.actions.num_quarantined_total)
+    pending = _single_rank() and _guard.unread_taint()  # pages found bad by a verdict not read yet
+    if not (quarantine or pending):
         return result
     slots = cache.path_device_indices(result.last_device_node)[: result.device_prefix_len]
-    if not _guard.holds_quarantined(slots):
+    if not ((quarantine and _guard.holds_quarantined(slots))
+            or (pending and _guard.suspect_before_resolve(slots=slots))):
         return result
     from sglang.srt.mem_cache.base_prefix_cache import zero_match_result
 
