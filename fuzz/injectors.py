@@ -148,8 +148,12 @@ def table_redirect(sched, batch, rng, step):
         free_if_orphaned(sched, torch.tensor([slot], dtype=torch.int64))
         return True
 
+    # With pages, the displaced slot's page stays in the row through its other slots and is
+    # released with it; freeing it here again was a double free of the tool's own making (seen
+    # in the full campaign: the page's next owner was aborted for a genuine double allocation).
+
     return Injection("table_redirect", step, {a.rid}, {"rid": a.rid, "pos": pos, "slot": target,
-                     "displaced": displaced}, cleanup=tidy)
+                     "displaced": displaced}, cleanup=tidy if ps == 1 else None)
 
 
 def table_swap(sched, batch, rng, step):
@@ -182,7 +186,10 @@ def bit_flip(sched, batch, rng, step):
     row = buf[slot].view(torch.uint8).reshape(-1)
     byte, bit = rng.randrange(row.numel()), rng.randrange(8)
     row[byte] ^= 1 << bit
-    return Injection("bit_flip", step, holders(sched, batch, torch.tensor([slot])), {"rid": req.rid, "slot": slot, "byte": byte, "bit": bit})
+    flipped = torch.tensor([slot])
+    # Later holders (a prefix-cache hit on the flipped page) read the flip too: victims as well.
+    return Injection("bit_flip", step, holders(sched, batch, flipped), {"rid": req.rid, "slot": slot, "byte": byte, "bit": bit},
+                     watch_slots=flipped)
 
 
 def stale_writer(sched, batch, rng, step):
