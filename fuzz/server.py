@@ -6,31 +6,20 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import psutil
 import requests
 
+from kvguard.serve.child import free_port, kvguard_serve_command
+
 START_TIMEOUT_S = 300  # ~60 s on a loaded 2-core machine (SGLang's tokenizer start dominates)
 
 
 class ServerDied(RuntimeError):
     """kvguard-serve exited, or stopped answering /health."""
-
-
-def kvguard_serve_command() -> list[str]:
-    script = Path(sys.executable).with_name("kvguard-serve")
-    return [str(script)] if script.exists() else [sys.executable, "-m", "kvguard.serve.cli"]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def clean_env() -> dict[str, str]:

@@ -65,7 +65,6 @@ class StepChecker:
         # Set by the guard after a quarantine, until the engine flushes its caches: every read is
         # verified (as in paranoid), so readers of a quarantined page whose bytes are intact go on.
         self.escalated = False
-        self._sample_now = False  # sampled mode with a budget: the read-set window runs
         # On CPU a host read of a device value costs nothing (no sync), so a step whose reads are
         # all clean (the common case) skips the per-kind diagnosis; on GPU every step runs the
         # branch-free path so that nothing waits on the device.
@@ -91,8 +90,7 @@ class StepChecker:
             hit.index_add_(0, batch_idx.reshape(-1), mask.reshape(-1).to(torch.int64))
             kinds.bitwise_or_((hit > 0).to(torch.int64) * int(kind))
 
-        self._sample_now = self.config.mode is Mode.SAMPLED and self.config.sweep_tokens_per_step > 0
-        if self._sample_now and v.step % SWEEP_EVERY == 0:
+        if self._sampling() and v.step % SWEEP_EVERY == 0:
             self._sweep(v.step, taint)
         # Reads first: adoption fills the records the write chain continues from.
         reads = self._check_reads(v, rows, taint, flag) if v.max_prefix_len > 0 else None
@@ -272,35 +270,36 @@ class StepChecker:
         in_place = (slots % ps) == (pos % ps)
         tag_ok = (tag_ok | adopt) & in_place
         flag(bidx, valid & tag_ok & ~R.sealed[r, pos], Kind.READ_UNWRITTEN)
-        if self._verify_all():
-            found = self._digests(slots.reshape(-1), pos.reshape(-1)).view_as(slots)
-            intact = R.sealed[r, pos] & (found == R.digest[r, pos])
-            bad = valid & tag_ok & ~intact & R.sealed[r, pos]
-            flag(bidx, bad, Kind.CHECKSUM_MISMATCH)
-            taint.index_put_((page.reshape(-1),), bad.reshape(-1), accumulate=True)
+        intact = self._verify_read_bytes(v, slots, pos, r, bidx, valid & tag_ok, page, taint, flag)
+        if intact is None:
+            flag(bidx, quarantined, Kind.QUARANTINED_PAGE)
+        else:
             # A quarantined page still carrying this reader's tag, chain and sealed bytes is read
             # intact (the bad bytes were elsewhere, or a late load has landed): the page stays
             # withheld from reuse, the reader goes on.
             mine = (L.epoch[page] == R.epoch[r, lp]) & chain_ok & in_place & intact
             flag(bidx, quarantined & ~mine, Kind.QUARANTINED_PAGE)
-            return bidx, valid, page
-        flag(bidx, quarantined, Kind.QUARANTINED_PAGE)
-        self._verify_read_bytes(v, slots, pos, r, bidx, valid & tag_ok, page, taint, flag)
         return bidx, valid, page
 
     def _verify_all(self) -> bool:
         return self.config.mode is Mode.PARANOID or (self.config.checksums and self.escalated)
 
+    def _sampling(self) -> bool:
+        return self.config.mode is Mode.SAMPLED and self.config.sweep_tokens_per_step > 0
+
     def _verify_read_bytes(self, v: StepView, slots, pos, r, bidx, ok, page, taint, flag):
         """Checksums of the read set: all of it (paranoid, or escalated after a quarantine), or a
-        rolling window (sampled). ``ok``: reads whose tags verified (only those are hashed)."""
+        rolling window (sampled). ``ok``: reads whose tags verified. Returns, when every read was
+        hashed, which reads are sealed and still hold their sealed bytes; else None."""
         R, ps = self.records, self.ledger.page_size
         if self._verify_all():
             found = self._digests(slots.reshape(-1), pos.reshape(-1)).view_as(slots)
-            bad = ok & R.sealed[r, pos] & (found != R.digest[r, pos])
+            intact = R.sealed[r, pos] & (found == R.digest[r, pos])
+            bad = ok & R.sealed[r, pos] & ~intact
             flag(bidx, bad, Kind.CHECKSUM_MISMATCH)
             taint.index_put_((page.reshape(-1),), bad.reshape(-1), accumulate=True)
-        elif self._sample_now:
+            return intact
+        if self._sampling():
             # Rolling window over this batch's read set: the KV about to be read is re-hashed
             # first, so a read set within the budget is fully verified every step.
             n = slots.numel()
@@ -312,6 +311,7 @@ class StepChecker:
             bad = wok & (self._digests(ws, wp) != R.digest[wr, wp])
             flag(wb, bad, Kind.CHECKSUM_MISMATCH)
             taint.index_put_((torch.div(ws, ps, rounding_mode="floor"),), bad, accumulate=True)
+        return None
 
     def _sweep(self, step: int, taint: torch.Tensor):
         """Re-hash a rolling window of resting slots against their first-seal digests."""

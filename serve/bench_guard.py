@@ -17,7 +17,6 @@ import argparse
 import asyncio
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -28,13 +27,9 @@ from pathlib import Path
 import aiohttp
 import requests
 
+from kvguard.serve.child import free_port, kvguard_serve_command
+
 MODES = ["off", "tags", "sampled", "paranoid"]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Server:
@@ -46,11 +41,10 @@ class Server:
         self.start()
 
     def start(self):
-        self.port = _free_port()
+        self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = open(self.workdir / f"server-{self.mode}.log", "w")
-        exe = Path(sys.executable).with_name("kvguard-serve")
-        cmd = [str(exe)] if exe.exists() else [sys.executable, "-m", "kvguard.serve.cli"]
+        cmd = kvguard_serve_command()
         self.proc = subprocess.Popen(
             cmd + ["--kvguard-mode", self.mode, "--port", str(self.port), "--host", "127.0.0.1", *self.args],
             stdout=self.log, stderr=subprocess.STDOUT, env=self.env, start_new_session=True,

@@ -14,7 +14,6 @@ import torch
 from kvguard.config import GuardConfig
 from kvguard.guard import Guard
 from kvguard.step import StepView
-from kvguard.verdict import Kind
 
 structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.CRITICAL))
 
@@ -90,7 +89,7 @@ def test_paths_agree(page_size, mode, corruption):
     for (k0, t0), (k1, t1) in zip(*results):
         assert torch.equal(k0, k1), (k0, k1)
         assert torch.equal(t0, t1)
-    flagged = torch.stack([k for k, _ in results[1]]).bitwise_or(0)
+    flagged = torch.stack([k for k, _ in results[1]])
     if corruption == "none":
         assert not bool(flagged.any()), flagged
     elif corruption == "bit_flip" and mode == "tags":
@@ -106,4 +105,3 @@ def test_clean_decode_flags_nothing_on_either_path():
         for _ in range(20):
             kinds, taint = pool.forward(1)
             assert not bool(kinds.any()) and not bool(taint.any())
-        assert Kind(0) == Kind(int(kinds.max()))

@@ -9,7 +9,6 @@ import os
 import signal
 import socket
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -18,18 +17,11 @@ import pytest
 import requests
 from tiny_model import serving_model, tiny_random_llama
 
+from kvguard.fuzz.oracle import read_jsonl
+from kvguard.serve.child import free_port
+from kvguard.serve.child import kvguard_serve_command as kvguard_serve
+
 START_TIMEOUT_S = 240  # ~40 s on an idle 2-core machine; generous for a loaded one
-
-
-def kvguard_serve() -> list[str]:
-    script = Path(sys.executable).with_name("kvguard-serve")
-    return [str(script)] if script.exists() else [sys.executable, "-m", "kvguard.serve.cli"]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def clean_env() -> dict:
@@ -50,14 +42,7 @@ class Server:
 
     def events(self) -> list[dict]:
         """kvguard's structured log lines (--log-format json) from every process of the server."""
-        out = []
-        for line in self.log.read_text(errors="replace").splitlines():
-            if line.startswith("{"):
-                try:
-                    out.append(json.loads(line))
-                except ValueError:
-                    pass
-        return out
+        return read_jsonl(self.log)
 
     def generate(self, text: str, n: int) -> dict:
         r = requests.post(
