@@ -1,10 +1,13 @@
 """Guard overhead benchmark: tokens/s and inter-token latency, guard off vs each mode, in one run.
 
 One guarded kvguard-serve whose mode is switched between rounds through ``KVGUARD_MODE_FILE``
-(``off`` there: the hooks stay installed but do nothing). Rounds interleave the modes (off, tags,
-sampled, paranoid, off, ...) so drift on a shared machine hits all of them alike. Each round
-flushes the prefix cache (which also resets the guard's ledger), then streams the same greedy
-workload (concurrent requests) and records every token's arrival time. Before that, a server
+(``off`` there: the hooks stay installed but do nothing). Each round runs every mode once, in an
+order rotated from round to round, so drift on a shared machine and position in the round hit all
+modes alike. A run of one mode flushes the prefix cache (which also resets the guard's ledger),
+then streams the same greedy workload (concurrent requests) and records every token's arrival
+time. Ratios are paired: each mode against ``off`` in the same round, then the median over
+rounds, with the lowest and highest round shown (a single run of a few seconds on a shared
+2-core machine varies by several percent; the paired median is what resolves a 1-2% cost). Before that, a server
 started with ``--kvguard-mode off`` (no hooks at all) runs the same rounds alone, to show what the
 idle hooks cost. Servers never run side by side: an idle SGLang scheduler busy-polls a core.
 
@@ -177,7 +180,8 @@ def main(argv=None):
         guarded.wait()
         asyncio.run(run_round(guarded.url, prompts[:4], 8))
         for r in range(a.rounds):
-            for mode in MODES:
+            for i in range(len(MODES)):
+                mode = MODES[(i + r) % len(MODES)]
                 mode_file.write_text(mode)  # read by the scheduler at the flush below
                 measure(guarded, mode, r)
     finally:
@@ -193,11 +197,19 @@ def main(argv=None):
                          "guard_share_of_wall": gs / sum(r["seconds"] for r in rs),
                          "guard_ms_per_step": 1000 * gs / max(sum(r["guard_steps"] for r in rs), 1)}
     off = summary["off"]
-    print("\n| mode | tok/s (median of rounds) | vs off | ITL p50 ms | vs off | ITL p99 ms | vs off | guard host time, share of wall | guard ms/step |")
+    for mode in MODES:  # paired: this mode's round r against off's round r
+        pairs = [(m["tokens"] / m["seconds"]) / (o["tokens"] / o["seconds"]) for m, o in zip(results[mode], results["off"])]
+        itl = [pct(m["itl"], 0.5) / pct(o["itl"], 0.5) for m, o in zip(results[mode], results["off"])]
+        summary[mode].update(paired_tok_s=statistics.median(pairs), paired_tok_s_range=[min(pairs), max(pairs)],
+                             paired_itl_p50=statistics.median(itl))
+    print("\n| mode | tok/s (median of rounds) | tok/s vs off, paired median [lowest, highest round] | ITL p50 ms | vs off (paired) | ITL p99 ms | vs off | guard host time, share of wall | guard ms/step |")
     print("|---|---|---|---|---|---|---|---|---|")
     for mode, s in summary.items():
-        print(f"| {mode} | {s['tok_s']:.1f} | {s['tok_s'] / off['tok_s']:.3f} | {s['itl_p50_ms']:.2f} | "
-              f"{s['itl_p50_ms'] / off['itl_p50_ms']:.3f} | {s['itl_p99_ms']:.2f} | {s['itl_p99_ms'] / off['itl_p99_ms']:.3f} | "
+        paired = (f"{s['paired_tok_s']:.3f} [{s['paired_tok_s_range'][0]:.3f}, {s['paired_tok_s_range'][1]:.3f}]"
+                  if "paired_tok_s" in s else f"{s['tok_s'] / off['tok_s']:.3f} (unpaired)")
+        itl_ratio = s.get("paired_itl_p50", s["itl_p50_ms"] / off["itl_p50_ms"])
+        print(f"| {mode} | {s['tok_s']:.1f} | {paired} | {s['itl_p50_ms']:.2f} | "
+              f"{itl_ratio:.3f} | {s['itl_p99_ms']:.2f} | {s['itl_p99_ms'] / off['itl_p99_ms']:.3f} | "
               f"{100 * s['guard_share_of_wall']:.2f}% | {s['guard_ms_per_step']:.3f} |")
     if a.out:
         Path(a.out).write_text(json.dumps({"summary": summary, "args": vars(a)}, indent=2))
