@@ -50,7 +50,8 @@ def kvguard_parser() -> argparse.ArgumentParser:
         "--kvguard-sweep-tokens-per-step",
         type=int,
         metavar="N",
-        help="resting KV tokens re-hashed per step (env KVGUARD_SWEEP_TOKENS_PER_STEP)",
+        help="sampled mode: KV tokens of the batch's read set re-hashed per step, plus a quarter "
+        "as many resting ones (env KVGUARD_SWEEP_TOKENS_PER_STEP; default 1024)",
     )
     g.add_argument(
         "--kvguard-tenant-isolation",
