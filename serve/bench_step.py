@@ -27,7 +27,8 @@ from kvguard.metrics import GuardMetrics
 from kvguard.step import StepView
 
 
-def run(mode: str, batch: int, prompt: int, new: int, reps: int, page_size: int, count_ops: bool = False):
+def run(mode: str, batch: int, prompt: int, new: int, reps: int, page_size: int, count_ops: bool = False,
+        sweep_tokens_per_step: int = GuardConfig().sweep_tokens_per_step):
     width = -(-(prompt + new) // page_size) * page_size  # whole pages per request
     num_slots = page_size + batch * width + page_size
     g = torch.Generator().manual_seed(0)
@@ -36,8 +37,9 @@ def run(mode: str, batch: int, prompt: int, new: int, reps: int, page_size: int,
     rows = torch.arange(1, batch + 1)
     table[1:] = torch.arange(page_size, page_size + batch * width, dtype=torch.int32).view(batch, width)
     tokens = torch.randint(0, 4096, (batch, width), generator=g)
-    guard = Guard(GuardConfig(mode=mode), num_slots=num_slots, page_size=page_size, num_rows=batch + 1,
-                  max_len=width, kv_buffers=bufs, device="cpu", metrics=GuardMetrics.default())
+    config = GuardConfig(mode=mode, sweep_tokens_per_step=sweep_tokens_per_step)
+    guard = Guard(config, num_slots=num_slots, page_size=page_size, num_rows=batch + 1, max_len=width,
+                  kv_buffers=bufs, device="cpu", metrics=GuardMetrics.default())
     step, times = 0, []
 
     def forward(start: int, n: int) -> float:
@@ -86,13 +88,15 @@ def main(argv=None):
     ap.add_argument("--page-size", type=int, default=16)
     ap.add_argument("--modes", default="tags,sampled,paranoid")
     ap.add_argument("--count-ops", action="store_true", help="also count the torch ops of one decode step")
+    ap.add_argument("--sweep-tokens-per-step", type=int, default=GuardConfig().sweep_tokens_per_step,
+                    help="sampled mode's per-step checksum budget (as KVGUARD_SWEEP_TOKENS_PER_STEP)")
     a = ap.parse_args(argv)
     structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.CRITICAL))
     print(f"{a.batch} requests x ({a.prompt} prompt + {a.new} decode) tokens, page size {a.page_size}, "
-          f"{a.reps} reps, torch threads {torch.get_num_threads()}")
+          f"sampled budget {a.sweep_tokens_per_step}, {a.reps} reps, torch threads {torch.get_num_threads()}")
     print("| mode | decode step p10 ms | p50 ms | p90 ms | torch ops per decode step |\n|---|---|---|---|---|")
     for mode in a.modes.split(","):
-        t, ops = run(mode, a.batch, a.prompt, a.new, a.reps, a.page_size, a.count_ops)
+        t, ops = run(mode, a.batch, a.prompt, a.new, a.reps, a.page_size, a.count_ops, a.sweep_tokens_per_step)
         q = lambda f: 1e3 * t[min(len(t) - 1, int(f * len(t)))]  # noqa: E731
         print(f"| {mode} | {q(0.1):.3f} | {q(0.5):.3f} | {q(0.9):.3f} | {ops if ops is not None else '-'} |", flush=True)
     return 0
