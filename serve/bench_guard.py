@@ -6,12 +6,14 @@ order rotated from round to round, so drift on a shared machine and position in 
 modes alike. A run of one mode flushes the prefix cache (which also resets the guard's ledger),
 then streams the same greedy workload (concurrent requests) and records every token's arrival
 time. Ratios are paired: each mode against ``off`` in the same round, then the median over
-rounds, with the lowest and highest round shown (a single run of a few seconds on a shared
-2-core machine varies by several percent; the paired median is what resolves a 1-2% cost). Before that, a server
-started with ``--kvguard-mode off`` (no hooks at all) runs the same rounds alone, to show what the
-idle hooks cost. Servers never run side by side: an idle SGLang scheduler busy-polls a core.
+rounds, with the lowest and highest round shown. A single run of a few seconds on a shared
+2-core machine varies by 5-20%, so run 10 rounds or more and read the paired median. Before
+that, a server started with ``--kvguard-mode off`` (no hooks at all) runs the same rounds alone,
+to show what the idle hooks cost. Servers never run side by side: an idle SGLang scheduler
+busy-polls a core.
 
-    python -m kvguard.serve.bench_guard [--rounds 3] [--concurrency 16] [--max-new-tokens 64]
+    python -m kvguard.serve.bench_guard [--rounds 10] [--concurrency 16] [--max-new-tokens 64]
+        [--out results.json] [-- kvguard-serve args, e.g. --kvguard-sweep-tokens-per-step 256]
 """
 
 from __future__ import annotations
@@ -135,7 +137,7 @@ def pct(xs, q):
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--rounds", type=int, default=10)
     ap.add_argument("--concurrency", type=int, default=16)
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--model-path", default=None)
