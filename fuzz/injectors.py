@@ -9,7 +9,6 @@ batch, and returns an ``Injection`` naming the requests whose KV it touched (the
 
 from __future__ import annotations
 
-import random
 from dataclasses import dataclass, field
 
 import torch

@@ -77,7 +77,7 @@ class StepChecker:
     # -- before the forward ------------------------------------------------------------------------
     def before_forward(self, v: StepView, taint: torch.Tensor | None = None) -> StepVerdict:
         """``taint``: pages already known bad (found between forwards); updated in place."""
-        L, R = self.ledger, self.records
+        L = self.ledger
         dev = L.device
         B = v.rows.numel()
         kinds = torch.zeros(B, dtype=torch.int64, device=dev)
@@ -187,7 +187,6 @@ class StepChecker:
         terms = chain_terms(v.write_tokens, p)
         if s.numel() == rows.numel() and self.host_reads_free:
             chain = base + terms  # one token per request (decode): b is 0..B-1 in order
-            chain = chain[b]
         else:
             chain = base[b] + segment_prefix_sums(terms, b, rows.numel())
         L.chain[s] = chain

@@ -263,4 +263,3 @@ class Guard:
                 })
         rid = v.request_ids[b] if v.request_ids else None
         return Violation(new_violation_id(), kinds, v.step, rid, row, list(pages.values()))
-

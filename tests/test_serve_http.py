@@ -4,7 +4,6 @@ process; then a clean SIGTERM shutdown. Bad input must end in one line, before S
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import socket
