@@ -16,7 +16,7 @@ from kvguard.engine_status import STATUS_KEY
 
 def guard_status() -> dict:
     """This scheduler process's guard, as plain builtins (the handshake is pickled)."""
-    from kvguard.patches.sglang_guard import active_guard
+    from kvguard.patches.state import active_guard
 
     guard = active_guard()
     status: dict = {"active": guard is not None, "pid": os.getpid()}

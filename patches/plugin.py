@@ -9,7 +9,7 @@ import importlib
 
 from kvguard.config import GuardConfig
 from kvguard.patches.targets import CANARY_TARGETS, GUARD_TARGETS, QUANT_TARGETS, TP_TARGETS
-from kvguard.serve.logconfig import configure_from_env
+from kvguard.logconfig import configure_from_env
 
 _registered = False
 

@@ -23,7 +23,7 @@ import tempfile
 from importlib.util import find_spec
 from pathlib import Path
 
-from kvguard.serve import logconfig
+from kvguard import logconfig
 from kvguard.serve.preflight import LaunchError, check_listen_address, check_model_path
 
 from kvguard.config import ConfigError, GuardConfig, Mode

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvguard.serve.bench_step import run
+from kvguard.bench.step import run
 
 
 @pytest.mark.parametrize("page_size", [1, 16])

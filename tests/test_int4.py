@@ -15,8 +15,8 @@ pytest.importorskip("transformers")
 
 from kvguard.kernels import w4a16_ref as ref  # noqa: E402
 from kvguard.patches.int4_cpu_linear import Int4ConfigError, W4A16LinearKernel  # noqa: E402
-from kvguard.serve import quantize as Q  # noqa: E402
-from kvguard.serve.gptq import gptq_quantize  # noqa: E402
+from kvguard.quant import quantize as Q  # noqa: E402
+from kvguard.quant.gptq import gptq_quantize  # noqa: E402
 
 from quant_helpers import (  # noqa: E402,I001
     agreement,

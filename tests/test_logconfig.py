@@ -7,10 +7,10 @@ import os
 import subprocess
 import sys
 
-from kvguard.serve import logconfig
+from kvguard import logconfig
 
 CHILD = (
-    "from kvguard.serve.logconfig import configure_from_env; import structlog, os; "
+    "from kvguard.logconfig import configure_from_env; import structlog, os; "
     "print(configure_from_env(), flush=True); "
     "structlog.get_logger('kvguard').info('hello', answer=42)"
 )

@@ -12,7 +12,7 @@ that, a server started with ``--kvguard-mode off`` (no hooks at all) runs the sa
 to show what the idle hooks cost. Servers never run side by side: an idle SGLang scheduler
 busy-polls a core.
 
-    python -m kvguard.serve.bench_guard [--rounds 10] [--concurrency 16] [--max-new-tokens 64]
+    python -m kvguard.bench.guard [--rounds 10] [--concurrency 16] [--max-new-tokens 64]
         [--out results.json] [-- kvguard-serve args, e.g. --kvguard-sweep-tokens-per-step 256]
 """
 

@@ -1,6 +1,6 @@
 """Guard cost per decode step in isolation: the guard's hooks on a synthetic pool, no engine.
 
-    python -m kvguard.serve.bench_step [--batch 16] [--prompt 40] [--new 64] [--reps 20]
+    python -m kvguard.bench.step [--batch 16] [--prompt 40] [--new 64] [--reps 20]
 
 A pool shaped like the embedded model's FP8 KV (4 layers x K,V x [slots, 2 heads, 64] bytes);
 ``--batch`` requests prefill ``--prompt`` tokens, then decode ``--new`` tokens each, ``--reps``

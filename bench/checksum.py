@@ -1,6 +1,6 @@
 """Microbenchmark: KV token checksum throughput vs plain copies of the same bytes.
 
-    python -m kvguard.kernels.bench_checksum [--layers 4] [--slots 65536]
+    python -m kvguard.bench.checksum [--layers 4] [--slots 65536]
         [--heads 2] [--head-dim 64] [--tokens N] [--repeats 5] [--threads T]
 
 Pool: layers x (K, V) x [slots, heads, head_dim] bf16. Tokens: a random

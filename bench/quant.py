@@ -2,8 +2,8 @@
 
 Usage::
 
-    python -m kvguard.serve.bench_quant [--model DIR] [--group-size auto] [--method gptq]
-        [--out serve/quant_results.md]
+    python -m kvguard.bench.quant [--model DIR] [--group-size auto] [--method gptq]
+        [--out bench/quant_results.md]
 
 What is measured (each serving configuration in its own SGLang engine, torch_native attention):
 * KV pool tokens at a fixed memory budget: SGLang's own MHA pools (BF16, and the CPU FP8 pool
@@ -44,7 +44,7 @@ def heldout_windows(model_dir: Path, num: int, seq_len: int) -> list[list[int]]:
     default model's build report does (``<s> file </s>`` per held-out file)."""
     from transformers import AutoTokenizer
 
-    from kvguard.serve.default_model.build import list_corpus_files, read_text, split_files
+    from kvguard.serve.corpus import list_corpus_files, read_text, split_files
 
     tok = AutoTokenizer.from_pretrained(str(model_dir))
     tok.model_max_length = 1 << 30  # whole files are tokenized, then cut into windows
@@ -316,7 +316,7 @@ def measure(a, work: Path) -> str:
         "SGLANG_CACHE_DIR", os.path.join(tempfile.gettempdir(), "kvguard-sglang-cache")
     )
     os.environ.setdefault("KVGUARD_MODE", "off")  # measure the features, not the guard
-    from kvguard.serve.quantize import calibration_batches, quantize_checkpoint
+    from kvguard.quant.quantize import calibration_batches, quantize_checkpoint
 
     if a.model is None:
         from kvguard.serve.default_model import ensure_default_model
@@ -414,7 +414,7 @@ def report(a, model, groups, qrep, kv, wb, uniform, rows, hf_ppl, scales, n_wind
     overrides = "; ".join(
         f"`{k}` -> {v['group_size']}" for k, v in qrep["group_size_overrides"].items()
     )
-    cmd = "python -m kvguard.serve.bench_quant " + " ".join(a.argv)
+    cmd = "python -m kvguard.bench.quant " + " ".join(a.argv)
     lines = [
         "# Quantization on CPU: FP8 KV cache and INT4 weights",
         "",
@@ -422,7 +422,7 @@ def report(a, model, groups, qrep, kv, wb, uniform, rows, hf_ppl, scales, n_wind
         f"Machine: {platform.machine()}, {os.cpu_count()} CPU cores (shared), torch {torch.__version__}, "
         f"SGLang {sglang.__version__}, {a.threads} torch threads; guard off (features only).",
         f"Model: `{model}` ({json.loads((model / 'config.json').read_text()).get('num_hidden_layers')} layers). "
-        f"INT4: `python -m kvguard.serve.quantize --method {a.method} {qflags}` "
+        f"INT4: `python -m kvguard.quant.quantize --method {a.method} {qflags}` "
         f"(GPTQ checkpoint, symmetric, desc_act false; {qrep['seconds']} s"
         + (f"; per-module group overrides: {overrides}" if overrides else "")
         + ").",
@@ -500,7 +500,7 @@ def report(a, model, groups, qrep, kv, wb, uniform, rows, hf_ppl, scales, n_wind
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m kvguard.serve.bench_quant")
+    p = argparse.ArgumentParser(prog="python -m kvguard.bench.quant")
     p.add_argument(
         "--model", type=Path, default=None, help="BF16 HF Llama (default: kvguard's default model)"
     )

@@ -2,7 +2,7 @@
 
 Usage::
 
-    python -m kvguard.serve.quantize --model DIR --out DIR [--group-size 128] [--method rtn|gptq]
+    python -m kvguard.quant.quantize --model DIR --out DIR [--group-size 128] [--method rtn|gptq]
 
 Output format: ``quant_method: gptq``, 4 bits, symmetric, ``desc_act: false``, checkpoint format
 ``gptq`` (v1: qzeros store zero - 1), per linear layer ``qweight``/``qzeros``/``scales``/``g_idx``
@@ -183,7 +183,7 @@ def calibration_batches(
     """``num_samples`` windows of ``seq_len`` tokens from stdlib files of the training split."""
     from transformers import AutoTokenizer
 
-    from kvguard.serve.default_model.build import list_corpus_files, read_text, split_files
+    from kvguard.serve.corpus import list_corpus_files, read_text, split_files
 
     tok = AutoTokenizer.from_pretrained(str(model_dir))
     tok.model_max_length = 1 << 30  # whole files are tokenized, then cut into windows
@@ -207,7 +207,7 @@ def gptq_layers(
 ) -> dict[str, tuple]:
     from transformers import AutoModelForCausalLM
 
-    from kvguard.serve.gptq import calibrate_and_quantize
+    from kvguard.quant.gptq import calibrate_and_quantize
 
     batches = calibration_batches(model_dir, num_samples, seq_len)
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
@@ -328,7 +328,7 @@ def quantize_checkpoint(
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(
-        prog="python -m kvguard.serve.quantize", description=__doc__.split("\n")[0]
+        prog="python -m kvguard.quant.quantize", description=__doc__.split("\n")[0]
     )
     p.add_argument("--model", required=True, type=Path, help="BF16/FP16 HF Llama checkpoint folder")
     p.add_argument("--out", required=True, type=Path, help="output folder (GPTQ INT4 checkpoint)")

@@ -1,0 +1,100 @@
+"""What the guard's action layer may do to SGLang: abort one request, withhold quarantined pages,
+repair the free list when idle, release an aborted request by the ledger's truth."""
+
+from __future__ import annotations
+
+from http import HTTPStatus
+
+import torch
+
+from kvguard.patches import state
+
+class SGLangControl:
+    """EngineControl for SGLang: what the guard's action layer may do to the engine."""
+
+    def __init__(self, scheduler):
+        self.scheduler = scheduler
+
+    def abort(self, req, violation):
+        from sglang.srt.managers.schedule_batch import FINISH_ABORT
+
+        if req.finished():
+            return  # already finished and released: nothing of it is served again
+        reason = FINISH_ABORT(violation.message, HTTPStatus.INTERNAL_SERVER_ERROR, "KVCacheIntegrityError")
+        req.skip_radix_cache_insert = True  # suspect KV never enters the prefix cache
+        req.kvguard_violation = violation
+        sched = self.scheduler
+        if req is getattr(sched, "chunked_req", None):
+            # Mid chunked prefill: SGLang's own deferred path tears it down at the top of the
+            # next step (release without checkpoint, abort sent to the client).
+            req.discard_output_reason = reason
+            req.kvguard_released = True
+            sched._pending_chunked_abort_req = req
+            return
+        req.finished_reason = reason
+
+    def withhold_pages(self, pages: torch.Tensor) -> int:
+        alloc = self.scheduler.token_to_kv_pool_allocator
+        removed = 0
+        for name in ("free_pages", "release_pages"):
+            free = getattr(alloc, name, None)
+            if isinstance(free, torch.Tensor) and free.numel():
+                hit = torch.isin(free, pages.to(free.device))
+                removed += int(hit.sum())
+                setattr(alloc, name, free[~hit])
+        staged = getattr(alloc, "staged_pages", None)
+        if staged:
+            hits = [torch.isin(p, pages.to(p.device)) for p in staged]
+            removed += sum(int(h.sum()) for h in hits)
+            alloc.staged_pages = [p[~h] for p, h in zip(staged, hits)]
+            alloc.num_staged_pages = sum(p.numel() for p in alloc.staged_pages)
+        return removed
+
+    def rebuild_free_list(self) -> int:
+        """Fully idle, after contained violations: the engine bug may have left a page both free
+        and cached, or twice in the free list, or leaked. With no request running, a page is free
+        iff the prefix tree does not hold it and the guard has not quarantined it. Returns the
+        change in free pages."""
+        from kvguard.ledger import PageState
+
+        sched, L = self.scheduler, state.guard.ledger
+        alloc = sched.token_to_kv_pool_allocator
+        ps = alloc.page_size
+        n = alloc.num_pages if ps > 1 else alloc.size
+        held = torch.zeros(n + 1, dtype=torch.bool, device=L.device)
+        held[0] = True  # SGLang's padding page
+        tree = sched.tree_cache
+        if tree.evictable_size() or tree.protected_size():
+            held[torch.div(tree.all_values_flatten().to(L.device, torch.int64), ps, rounding_mode="floor")] = True
+        quarantined = L.state[: n + 1] == PageState.QUARANTINED
+        free = torch.nonzero(~held & ~quarantined).reshape(-1)
+        before = alloc.available_size() // ps
+        newly = free[L.state[free] != PageState.FREE]
+        L.release(newly, state.guard.step)
+        alloc.free_pages = free.to(alloc.device)
+        if hasattr(alloc, "release_pages"):
+            alloc.release_pages = free[:0].to(alloc.device)
+        if getattr(alloc, "staged_pages", None):
+            alloc.staged_pages, alloc.num_staged_pages = [], 0
+        L.num_quarantined = int((quarantined & ~held).sum())
+        return int(free.numel()) - before
+
+
+def release_aborted(scheduler, req):
+    """Release an aborted request by the ledger's truth, not only its (possibly corrupt) row:
+    SGLang's release frees only pages the request privately owns; pages displaced from its row
+    are freed too; pages found bad stay quarantined."""
+    req.kvguard_released = True
+    if not req.kv.holds_kv:
+        return
+    row = int(req.kv.req_pool_idx)
+    state.guard.releasing_row = row
+    try:
+        own = state.guard.private_pages(row)
+        scheduler.batch_result_processor._handle_sampling_mask_abort(req)  # "release, do not commit"
+        left = own[state.guard.ledger.state[own] == 1]  # still OWNED: displaced from the row
+        left = left[state.guard.ledger.owner_row[left] == row]
+        if left.numel():
+            scheduler.token_to_kv_pool_allocator.free_page_ids(left.to(torch.int64))
+    finally:
+        state.guard.releasing_row = None

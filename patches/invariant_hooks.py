@@ -1,0 +1,48 @@
+"""Hooks on SGLang's own self-checks: quarantined pages are counted, and after contained violations
+the engine bug's footprint is reported instead of stopping the scheduler."""
+
+from __future__ import annotations
+
+import structlog
+
+from kvguard.patches import state
+from kvguard.patches.control import SGLangControl
+
+log = structlog.get_logger("kvguard")
+
+# -- SchedulerInvariantChecker._report_leak / _check_kv_page_invariants (AROUND) ---------------------------------
+def around_memory_check(original, checker, *args, **kwargs):
+    """After kvguard contained engine bugs (aborted their victims, withheld their pages), SGLang's
+    idle memory check can still see their footprint (a page both freed and cached). Stopping the
+    scheduler then would drop every in-flight request: report it instead, with the guard's count."""
+    try:
+        return original(checker, *args, **kwargs)
+    except ValueError as exc:
+        if state.guard is None or not state.guard.actions.num_violations:
+            raise
+        repaired = None
+        if state.scheduler is not None and state.scheduler.is_fully_idle():
+            repaired = SGLangControl(state.scheduler).rebuild_free_list()
+        log.warning("kvguard_engine_memory_check_after_violations", error=str(exc),
+                    violations=state.guard.actions.num_violations, free_pages_rebuilt=repaired)
+
+
+# -- SchedulerPoolStatsObserver._get_token_info (AROUND) ----------------------------------------------
+def around_token_info(original, observer, *args, **kwargs):
+    """An engine bug the guard contained (a page both free and cached) can make SGLang's used-token
+    count negative until the next idle repair; its usage assertion would then stop the scheduler
+    mid-serving. Report zero usage instead, only after violations."""
+    stats = original(observer, *args, **kwargs)
+    if stats.full_num_used < 0 and state.guard is not None and state.guard.actions.num_violations:
+        import dataclasses
+
+        log.warning("kvguard_pool_overcounted", used=stats.full_num_used)
+        return dataclasses.replace(stats, full_num_used=0, full_token_usage=0.0)
+    return stats
+
+
+# -- SchedulerInvariantChecker._check_pool_invariant (AROUND) -------------------------------------------------
+def around_pool_invariant(original, pool_name, available, *args, **kwargs):
+    if state.guard is not None and pool_name == "full":
+        available += state.guard.num_quarantined_slots  # withheld by the guard, not leaked
+    return original(pool_name, available, *args, **kwargs)

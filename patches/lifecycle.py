@@ -1,0 +1,60 @@
+"""The guard's life in a scheduler process: built once the scheduler's pools exist, reset when the
+pool is flushed, and the prefix cache flushed at the next idle moment after a quarantine."""
+
+from __future__ import annotations
+
+
+import structlog
+
+from kvguard.config import GuardConfig
+from kvguard.guard import Guard
+from kvguard.patches import state
+from kvguard.patches.control import SGLangControl
+
+log = structlog.get_logger("kvguard")
+
+# -- Scheduler.__init__ (AFTER) -------------------------------------------------------------------------
+def attach(result, scheduler, *args, **kwargs):
+    config = GuardConfig.from_env()
+    if not config.enabled:
+        return result
+    runner = scheduler.tp_worker.model_runner
+    kv = runner.token_to_kv_pool
+    k_buf, v_buf = getattr(kv, "k_buffer", None), getattr(kv, "v_buffer", None)
+    if not isinstance(k_buf, list) or not isinstance(v_buf, list):
+        raise RuntimeError(
+            f"kvguard supports MHA KV pools with per-layer K/V buffers; got {type(kv).__name__}"
+        )
+    buffers = [b for pair in zip(k_buf, v_buf) for b in pair]
+    table = scheduler.req_to_token_pool.req_to_token
+    state.guard = Guard(
+        config,
+        num_slots=buffers[0].shape[0],
+        page_size=scheduler.token_to_kv_pool_allocator.page_size,
+        num_rows=table.shape[0],
+        max_len=table.shape[1],
+        kv_buffers=buffers,
+        device=table.device,
+        engine=SGLangControl(scheduler),
+    )
+    state.scheduler = scheduler
+    log.info("kvguard_attached", mode=config.mode.value, pid=__import__("os").getpid(),
+             slots=buffers[0].shape[0], page_size=state.guard.ledger.page_size, layers=len(k_buf))
+    return result
+
+
+def on_pool_cleared(result, allocator, *args, **kwargs):
+    if state.mode_file is not None:
+        state.reload_mode()  # benchmarks switch modes between a flush and the next round
+    if state.guard is not None:
+        state.guard.reset()
+    return result
+
+
+# -- Scheduler.on_idle (AFTER) ------------------------------------------------------------------------------
+def flush_when_idle(result, scheduler, *args, **kwargs):
+    """Once idle after a quarantine, flush the prefix cache so suspect nodes leave it."""
+    if state.guard is not None and state.guard.flush_wanted and scheduler.flush_cache():
+        log.info("kvguard_prefix_cache_flushed")
+        state.guard.flush_wanted = False
+    return result
