@@ -36,7 +36,9 @@ def _time(fn, repeats: int, sync) -> float:
     return statistics.median(ts)
 
 
-def run(device: str, layers: int, slots_n: int, heads: int, head_dim: int, tokens: int, repeats: int):
+def run(
+    device: str, layers: int, slots_n: int, heads: int, head_dim: int, tokens: int, repeats: int
+):
     dev = torch.device(device)
     g = torch.Generator().manual_seed(0)
     bufs = [
@@ -49,13 +51,15 @@ def run(device: str, layers: int, slots_n: int, heads: int, head_dim: int, token
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
 
     if dev.type == "cuda":
-        digest = lambda: token_digests(bufs, slots, pos)  # noqa: E731  (Triton)
+        digest = lambda: token_digests(bufs, slots, pos)
         name = "token_digests (triton)"
     else:
-        digest = lambda: token_digests_ref(bufs, slots, pos)  # noqa: E731
+        digest = lambda: token_digests_ref(bufs, slots, pos)
         name = "token_digests_ref (torch)"
 
-    gathered = [torch.empty((tokens,) + tuple(b.shape[1:]), dtype=b.dtype, device=dev) for b in bufs]
+    gathered = [
+        torch.empty((tokens,) + tuple(b.shape[1:]), dtype=b.dtype, device=dev) for b in bufs
+    ]
 
     def gather():
         for b, o in zip(bufs, gathered):
@@ -69,7 +73,11 @@ def run(device: str, layers: int, slots_n: int, heads: int, head_dim: int, token
             d.copy_(s)
 
     res = {}
-    for label, fn in [(name, digest), ("gather (index_select)", gather), ("copy_ (contiguous)", copy)]:
+    for label, fn in [
+        (name, digest),
+        ("gather (index_select)", gather),
+        ("copy_ (contiguous)", copy),
+    ]:
         t = _time(fn, repeats, sync)
         res[label] = nbytes / t / 1e9
     print(
@@ -82,7 +90,9 @@ def run(device: str, layers: int, slots_n: int, heads: int, head_dim: int, token
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--slots", type=int, default=65536)
     ap.add_argument("--heads", type=int, default=2)

@@ -51,8 +51,20 @@ class Server:
         self.log = open(self.workdir / f"server-{self.mode}.log", "w")
         cmd = kvguard_serve_command()
         self.proc = subprocess.Popen(
-            cmd + ["--kvguard-mode", self.mode, "--port", str(self.port), "--host", "127.0.0.1", *self.args],
-            stdout=self.log, stderr=subprocess.STDOUT, env=self.env, start_new_session=True,
+            cmd
+            + [
+                "--kvguard-mode",
+                self.mode,
+                "--port",
+                str(self.port),
+                "--host",
+                "127.0.0.1",
+                *self.args,
+            ],
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+            env=self.env,
+            start_new_session=True,
         )
 
     def wait(self, timeout: float = 600, retries: int = 3):
@@ -60,7 +72,9 @@ class Server:
         while time.time() - t0 < timeout:
             if self.proc.poll() is not None:
                 self.log.close()
-                if retries and "address already in use" in Path(self.log.name).read_text(errors="replace"):
+                if retries and "address already in use" in Path(self.log.name).read_text(
+                    errors="replace"
+                ):
                     self.start()  # another process took the free port first: pick another
                     return self.wait(timeout, retries - 1)
                 raise RuntimeError(f"server exited ({self.proc.returncode}); see {self.log.name}")
@@ -95,8 +109,11 @@ class Server:
 
 
 async def _stream(session, url, prompt, max_new_tokens):
-    body = {"text": prompt, "stream": True,
-            "sampling_params": {"temperature": 0, "max_new_tokens": max_new_tokens, "ignore_eos": True}}
+    body = {
+        "text": prompt,
+        "stream": True,
+        "sampling_params": {"temperature": 0, "max_new_tokens": max_new_tokens, "ignore_eos": True},
+    }
     times, n_prev = [], 0
     async with session.post(f"{url}/generate", json=body) as resp:
         assert resp.status == 200, await resp.text()
@@ -126,8 +143,12 @@ def workload(n: int) -> list[str]:
 
     rng = random.Random(0)
     heads = ["def parse(self, text):\n", "import os\nimport sys\n\n", "class Cache(object):\n    "]
-    return [rng.choice(heads) + f"# request {i}: " + " ".join(str(rng.randint(0, 999)) for _ in range(rng.randint(8, 64)))
-            for i in range(n)]
+    return [
+        rng.choice(heads)
+        + f"# request {i}: "
+        + " ".join(str(rng.randint(0, 999)) for _ in range(rng.randint(8, 64)))
+        for i in range(n)
+    ]
 
 
 def pct(xs, q):
@@ -136,13 +157,17 @@ def pct(xs, q):
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--rounds", type=int, default=10)
     ap.add_argument("--concurrency", type=int, default=16)
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--model-path", default=None)
     ap.add_argument("--out", default=None, help="write the results as JSON here")
-    ap.add_argument("server_args", nargs=argparse.REMAINDER, help="passed to kvguard-serve after --")
+    ap.add_argument(
+        "server_args", nargs=argparse.REMAINDER, help="passed to kvguard-serve after --"
+    )
     a = ap.parse_args(argv)
     extra = [x for x in a.server_args if x != "--"]
     if a.model_path:
@@ -162,10 +187,13 @@ def main(argv=None):
         # the scheduler is one thread, so this is what the guard adds to its steps.
         res["guard_seconds"], res["guard_steps"] = after[0] - before[0], after[1] - before[1]
         results[mode].append(res)
-        print(f"round {r + 1} {mode:9s} {res['tokens'] / res['seconds']:8.1f} tok/s  "
-              f"p50 ITL {1000 * pct(res['itl'], 0.5):6.2f} ms  p99 {1000 * pct(res['itl'], 0.99):6.2f} ms  "
-              f"guard {100 * res['guard_seconds'] / res['seconds']:5.2f}% of wall "
-              f"({1000 * res['guard_seconds'] / max(res['guard_steps'], 1):.3f} ms/step)", flush=True)
+        print(
+            f"round {r + 1} {mode:9s} {res['tokens'] / res['seconds']:8.1f} tok/s  "
+            f"p50 ITL {1000 * pct(res['itl'], 0.5):6.2f} ms  p99 {1000 * pct(res['itl'], 0.99):6.2f} ms  "
+            f"guard {100 * res['guard_seconds'] / res['seconds']:5.2f}% of wall "
+            f"({1000 * res['guard_seconds'] / max(res['guard_steps'], 1):.3f} ms/step)",
+            flush=True,
+        )
 
     base = Server("off", extra, work, None)
     try:
@@ -195,24 +223,43 @@ def main(argv=None):
         tps = statistics.median(r["tokens"] / r["seconds"] for r in rs)
         itl = [x for r in rs for x in r["itl"]]
         gs = sum(r["guard_seconds"] for r in rs)
-        summary[mode] = {"tok_s": tps, "itl_p50_ms": 1000 * pct(itl, 0.5), "itl_p99_ms": 1000 * pct(itl, 0.99),
-                         "guard_share_of_wall": gs / sum(r["seconds"] for r in rs),
-                         "guard_ms_per_step": 1000 * gs / max(sum(r["guard_steps"] for r in rs), 1)}
+        summary[mode] = {
+            "tok_s": tps,
+            "itl_p50_ms": 1000 * pct(itl, 0.5),
+            "itl_p99_ms": 1000 * pct(itl, 0.99),
+            "guard_share_of_wall": gs / sum(r["seconds"] for r in rs),
+            "guard_ms_per_step": 1000 * gs / max(sum(r["guard_steps"] for r in rs), 1),
+        }
     off = summary["off"]
     for mode in MODES:  # paired: this mode's round r against off's round r
-        pairs = [(m["tokens"] / m["seconds"]) / (o["tokens"] / o["seconds"]) for m, o in zip(results[mode], results["off"])]
-        itl = [pct(m["itl"], 0.5) / pct(o["itl"], 0.5) for m, o in zip(results[mode], results["off"])]
-        summary[mode].update(paired_tok_s=statistics.median(pairs), paired_tok_s_range=[min(pairs), max(pairs)],
-                             paired_itl_p50=statistics.median(itl))
-    print("\n| mode | tok/s (median of rounds) | tok/s vs off, paired median [lowest, highest round] | ITL p50 ms | vs off (paired) | ITL p99 ms | vs off | guard host time, share of wall | guard ms/step |")
+        pairs = [
+            (m["tokens"] / m["seconds"]) / (o["tokens"] / o["seconds"])
+            for m, o in zip(results[mode], results["off"])
+        ]
+        itl = [
+            pct(m["itl"], 0.5) / pct(o["itl"], 0.5) for m, o in zip(results[mode], results["off"])
+        ]
+        summary[mode].update(
+            paired_tok_s=statistics.median(pairs),
+            paired_tok_s_range=[min(pairs), max(pairs)],
+            paired_itl_p50=statistics.median(itl),
+        )
+    print(
+        "\n| mode | tok/s (median of rounds) | tok/s vs off, paired median [lowest, highest round] | ITL p50 ms | vs off (paired) | ITL p99 ms | vs off | guard host time, share of wall | guard ms/step |"
+    )
     print("|---|---|---|---|---|---|---|---|---|")
     for mode, s in summary.items():
-        paired = (f"{s['paired_tok_s']:.3f} [{s['paired_tok_s_range'][0]:.3f}, {s['paired_tok_s_range'][1]:.3f}]"
-                  if "paired_tok_s" in s else f"{s['tok_s'] / off['tok_s']:.3f} (unpaired)")
+        paired = (
+            f"{s['paired_tok_s']:.3f} [{s['paired_tok_s_range'][0]:.3f}, {s['paired_tok_s_range'][1]:.3f}]"
+            if "paired_tok_s" in s
+            else f"{s['tok_s'] / off['tok_s']:.3f} (unpaired)"
+        )
         itl_ratio = s.get("paired_itl_p50", s["itl_p50_ms"] / off["itl_p50_ms"])
-        print(f"| {mode} | {s['tok_s']:.1f} | {paired} | {s['itl_p50_ms']:.2f} | "
-              f"{itl_ratio:.3f} | {s['itl_p99_ms']:.2f} | {s['itl_p99_ms'] / off['itl_p99_ms']:.3f} | "
-              f"{100 * s['guard_share_of_wall']:.2f}% | {s['guard_ms_per_step']:.3f} |")
+        print(
+            f"| {mode} | {s['tok_s']:.1f} | {paired} | {s['itl_p50_ms']:.2f} | "
+            f"{itl_ratio:.3f} | {s['itl_p99_ms']:.2f} | {s['itl_p99_ms'] / off['itl_p99_ms']:.3f} | "
+            f"{100 * s['guard_share_of_wall']:.2f}% | {s['guard_ms_per_step']:.3f} |"
+        )
     if a.out:
         Path(a.out).write_text(json.dumps({"summary": summary, "args": vars(a)}, indent=2))
     return 0

@@ -327,7 +327,7 @@ def measure(a, work: Path) -> str:
         gs, fallback = auto_group_sizes(model)
     else:
         gs, fallback = int(a.group_size), a.fallback_group_size
-    log = lambda *m: print(*m, file=sys.stderr, flush=True)  # noqa: E731
+    log = lambda *m: print(*m, file=sys.stderr, flush=True)
 
     log(f"quantizing {model} ({a.method}, group {gs}, fallback {fallback}) ...")
     int4 = work / "int4"
@@ -405,8 +405,8 @@ def qlabel(gs: int, fallback: int | None) -> str:
 
 
 def report(a, model, groups, qrep, kv, wb, uniform, rows, hf_ppl, scales, n_windows) -> str:
-    import torch
     import sglang
+    import torch
 
     bf, f8 = kv["bf16"], kv["fp8_e4m3"]
     gs, fallback = groups

@@ -28,19 +28,39 @@ from kvguard.metrics import GuardMetrics
 from kvguard.step import StepView
 
 
-def run(mode: str, batch: int, prompt: int, new: int, reps: int, page_size: int, count_ops: bool = False,
-        sweep_tokens_per_step: int = GuardConfig().sweep_tokens_per_step):
+def run(
+    mode: str,
+    batch: int,
+    prompt: int,
+    new: int,
+    reps: int,
+    page_size: int,
+    count_ops: bool = False,
+    sweep_tokens_per_step: int = GuardConfig().sweep_tokens_per_step,
+):
     width = -(-(prompt + new) // page_size) * page_size  # whole pages per request
     num_slots = page_size + batch * width + page_size
     g = torch.Generator().manual_seed(0)
-    bufs = [torch.randint(0, 255, (num_slots, 2, 64), dtype=torch.uint8, generator=g) for _ in range(8)]
+    bufs = [
+        torch.randint(0, 255, (num_slots, 2, 64), dtype=torch.uint8, generator=g) for _ in range(8)
+    ]
     table = torch.zeros(batch + 1, width, dtype=torch.int32)
     rows = torch.arange(1, batch + 1)
-    table[1:] = torch.arange(page_size, page_size + batch * width, dtype=torch.int32).view(batch, width)
+    table[1:] = torch.arange(page_size, page_size + batch * width, dtype=torch.int32).view(
+        batch, width
+    )
     tokens = torch.randint(0, 4096, (batch, width), generator=g)
     config = GuardConfig(mode=mode, sweep_tokens_per_step=sweep_tokens_per_step)
-    guard = Guard(config, num_slots=num_slots, page_size=page_size, num_rows=batch + 1, max_len=width,
-                  kv_buffers=bufs, device="cpu", metrics=GuardMetrics.default())
+    guard = Guard(
+        config,
+        num_slots=num_slots,
+        page_size=page_size,
+        num_rows=batch + 1,
+        max_len=width,
+        kv_buffers=bufs,
+        device="cpu",
+        metrics=GuardMetrics.default(),
+    )
     step, times = 0, []
 
     def forward(start: int, n: int) -> float:
@@ -51,15 +71,25 @@ def run(mode: str, batch: int, prompt: int, new: int, reps: int, page_size: int,
         step += 1
         t0 = time.perf_counter()
         guard.on_alloc(slots)
-        view = StepView(step=step, rows=rows, prefix_lens=torch.full((batch,), start), max_prefix_len=start,
-                        write_slots=slots, write_batch=wb, write_pos=pos, write_tokens=tokens[wb, pos],
-                        page_table=table)
+        view = StepView(
+            step=step,
+            rows=rows,
+            prefix_lens=torch.full((batch,), start),
+            max_prefix_len=start,
+            write_slots=slots,
+            write_batch=wb,
+            write_pos=pos,
+            write_tokens=tokens[wb, pos],
+            page_table=table,
+        )
         verdict = guard.before_forward(view)
         guard.after_forward(view)
         violations = guard.resolve(verdict, [None] * batch)
         elapsed = time.perf_counter() - t0
         if violations:  # a clean pool must stay clean
-            raise RuntimeError(f"{len(violations)} violations on a clean pool, first: {violations[0].message}")
+            raise RuntimeError(
+                f"{len(violations)} violations on a clean pool, first: {violations[0].message}"
+            )
         return elapsed
 
     def one_request_lifetime():
@@ -71,7 +101,9 @@ def run(mode: str, batch: int, prompt: int, new: int, reps: int, page_size: int,
     for _ in range(reps):
         times += one_request_lifetime()
     ops = None
-    if count_ops:  # every aten op one lifetime dispatches (the harness's own included), per decode step
+    if (
+        count_ops
+    ):  # every aten op one lifetime dispatches (the harness's own included), per decode step
         from torch.profiler import ProfilerActivity, profile
 
         with profile(activities=[ProfilerActivity.CPU]) as prof:
@@ -81,25 +113,49 @@ def run(mode: str, batch: int, prompt: int, new: int, reps: int, page_size: int,
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--prompt", type=int, default=40)
     ap.add_argument("--new", type=int, default=64)
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--page-size", type=int, default=16)
     ap.add_argument("--modes", default="tags,sampled,paranoid")
-    ap.add_argument("--count-ops", action="store_true", help="also count aten calls per step (lifetime average)")
-    ap.add_argument("--sweep-tokens-per-step", type=int, default=GuardConfig().sweep_tokens_per_step,
-                    help="sampled mode's per-step checksum budget (as KVGUARD_SWEEP_TOKENS_PER_STEP)")
+    ap.add_argument(
+        "--count-ops", action="store_true", help="also count aten calls per step (lifetime average)"
+    )
+    ap.add_argument(
+        "--sweep-tokens-per-step",
+        type=int,
+        default=GuardConfig().sweep_tokens_per_step,
+        help="sampled mode's per-step checksum budget (as KVGUARD_SWEEP_TOKENS_PER_STEP)",
+    )
     a = ap.parse_args(argv)
     structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.CRITICAL))
-    print(f"{a.batch} requests x ({a.prompt} prompt + {a.new} decode) tokens, page size {a.page_size}, "
-          f"sampled budget {a.sweep_tokens_per_step}, {a.reps} reps, torch threads {torch.get_num_threads()}")
-    print("| mode | decode step p10 ms | p50 ms | p90 ms | aten calls per step |\n|---|---|---|---|---|")
+    print(
+        f"{a.batch} requests x ({a.prompt} prompt + {a.new} decode) tokens, page size {a.page_size}, "
+        f"sampled budget {a.sweep_tokens_per_step}, {a.reps} reps, torch threads {torch.get_num_threads()}"
+    )
+    print(
+        "| mode | decode step p10 ms | p50 ms | p90 ms | aten calls per step |\n|---|---|---|---|---|"
+    )
     for mode in a.modes.split(","):
-        t, ops = run(mode, a.batch, a.prompt, a.new, a.reps, a.page_size, a.count_ops, a.sweep_tokens_per_step)
-        q = lambda f: 1e3 * t[min(len(t) - 1, int(f * len(t)))]  # noqa: E731
-        print(f"| {mode} | {q(0.1):.3f} | {q(0.5):.3f} | {q(0.9):.3f} | {ops if ops is not None else '-'} |", flush=True)
+        t, ops = run(
+            mode,
+            a.batch,
+            a.prompt,
+            a.new,
+            a.reps,
+            a.page_size,
+            a.count_ops,
+            a.sweep_tokens_per_step,
+        )
+        q = lambda f: 1e3 * t[min(len(t) - 1, int(f * len(t)))]
+        print(
+            f"| {mode} | {q(0.1):.3f} | {q(0.5):.3f} | {q(0.9):.3f} | {ops if ops is not None else '-'} |",
+            flush=True,
+        )
     return 0
 
 

@@ -297,7 +297,7 @@ def judge(
 def _idle(srv: ServeProcess) -> dict:
     try:
         load = srv.wait_idle()
-    except Exception as e:  # noqa: BLE001 - an unanswered probe is recorded, not fatal
+    except Exception as e:
         return {"error": f"{type(e).__name__}: {e}"}
     return {
         k: load.get(k)

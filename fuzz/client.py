@@ -9,6 +9,7 @@ import time
 from dataclasses import asdict, dataclass, field
 
 import aiohttp
+
 from kvguard.fuzz.workload import RequestSpec
 
 GUARD_ABORT = re.compile(r"KV cache integrity violation (kvg-[0-9A-Za-z-]+)")

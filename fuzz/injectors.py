@@ -41,7 +41,11 @@ def _ps(sched) -> int:
 def live_requests(sched, batch):
     seen, out = set(), []
     batch_reqs = list(batch.reqs) if batch is not None else []
-    for req in batch_reqs + list(getattr(sched.running_batch, "reqs", []) or []) + list(sched.waiting_queue):
+    for req in (
+        batch_reqs
+        + list(getattr(sched.running_batch, "reqs", []) or [])
+        + list(sched.waiting_queue)
+    ):
         if id(req) in seen or not req.kv.holds_kv or req.finished():
             continue
         seen.add(id(req))
@@ -105,7 +109,13 @@ def premature_free(sched, batch, rng, step):
         slots = _page_slots(sched, req, lp)
         victims = holders(sched, batch, slots)
         sched.token_to_kv_pool_allocator.free(slots)
-        return Injection("premature_free", step, victims, {"rid": req.rid, "page": int(slots[0]) // _ps(sched)}, watch_slots=slots)
+        return Injection(
+            "premature_free",
+            step,
+            victims,
+            {"rid": req.rid, "page": int(slots[0]) // _ps(sched)},
+            watch_slots=slots,
+        )
     return None
 
 
@@ -118,8 +128,16 @@ def double_allocation(sched, batch, rng, step):
             continue
         slots = _page_slots(sched, req, lp)
         page = slots[:1] // _ps(sched)
-        alloc.free_pages = torch.cat((page.to(alloc.free_pages.device), alloc.free_pages))  # bypasses free()
-        return Injection("double_allocation", step, holders(sched, batch, slots), {"rid": req.rid, "page": int(page)}, watch_slots=slots)
+        alloc.free_pages = torch.cat(
+            (page.to(alloc.free_pages.device), alloc.free_pages)
+        )  # bypasses free()
+        return Injection(
+            "double_allocation",
+            step,
+            holders(sched, batch, slots),
+            {"rid": req.rid, "page": int(page)},
+            watch_slots=slots,
+        )
     return None
 
 
@@ -151,8 +169,13 @@ def table_redirect(sched, batch, rng, step):
     # released with it; freeing it here again was a double free of the tool's own making (seen
     # in the full campaign: the page's next owner was aborted for a genuine double allocation).
 
-    return Injection("table_redirect", step, {a.rid}, {"rid": a.rid, "pos": pos, "slot": target,
-                     "displaced": displaced}, cleanup=tidy if ps == 1 else None)
+    return Injection(
+        "table_redirect",
+        step,
+        {a.rid},
+        {"rid": a.rid, "pos": pos, "slot": target, "displaced": displaced},
+        cleanup=tidy if ps == 1 else None,
+    )
 
 
 def table_swap(sched, batch, rng, step):
@@ -187,8 +210,13 @@ def bit_flip(sched, batch, rng, step):
     row[byte] ^= 1 << bit
     flipped = torch.tensor([slot])
     # Later holders (a prefix-cache hit on the flipped page) read the flip too: victims as well.
-    return Injection("bit_flip", step, holders(sched, batch, flipped), {"rid": req.rid, "slot": slot, "byte": byte, "bit": bit},
-                     watch_slots=flipped)
+    return Injection(
+        "bit_flip",
+        step,
+        holders(sched, batch, flipped),
+        {"rid": req.rid, "slot": slot, "byte": byte, "bit": bit},
+        watch_slots=flipped,
+    )
 
 
 def stale_writer(sched, batch, rng, step):
@@ -201,8 +229,16 @@ def stale_writer(sched, batch, rng, step):
             continue
         slots = _page_slots(sched, req, lp)
         stale = [b[slots].clone() for b in _kv_buffers(sched)]
-        return Injection("stale_writer", step, set(), {"rid": req.rid, "page": int(slots[0]) // _ps(sched),
-                         "pending": {"slots": slots, "bytes": stale, "from": req.rid}})
+        return Injection(
+            "stale_writer",
+            step,
+            set(),
+            {
+                "rid": req.rid,
+                "page": int(slots[0]) // _ps(sched),
+                "pending": {"slots": slots, "bytes": stale, "from": req.rid},
+            },
+        )
     return None
 
 
@@ -244,8 +280,13 @@ def read_before_ready(sched, batch, rng, step):
             for b, s in zip(bufs, saved):
                 b[slots] = s
 
-        return Injection("read_before_ready", step, holders(sched, batch, slots) & {r.rid for r in batch.reqs},
-                         {"rid": req.rid, "page": int(slots[0]) // ps}, after_forward=land)
+        return Injection(
+            "read_before_ready",
+            step,
+            holders(sched, batch, slots) & {r.rid for r in batch.reqs},
+            {"rid": req.rid, "page": int(slots[0]) // ps},
+            after_forward=land,
+        )
     return None
 
 
@@ -255,7 +296,9 @@ def stale_prefix(sched, batch, rng, step):
     table = _table(sched)
     for req in _extend_hits(batch):
         n = req.prefix_len // ps
-        donors = [r for r in live_requests(sched, batch) if r is not req and len(r.origin_input_ids) > ps]
+        donors = [
+            r for r in live_requests(sched, batch) if r is not req and len(r.origin_input_ids) > ps
+        ]
         if n < 1 or not donors:
             continue
         lp = rng.randrange(n)
@@ -266,7 +309,12 @@ def stale_prefix(sched, batch, rng, step):
         if torch.equal(new, old):
             continue
         table[req.kv.req_pool_idx, lp * ps : (lp + 1) * ps] = new.to(table.dtype)
-        return Injection("stale_prefix", step, {req.rid}, {"rid": req.rid, "logical_page": lp, "donor": donor.rid})
+        return Injection(
+            "stale_prefix",
+            step,
+            {req.rid},
+            {"rid": req.rid, "logical_page": lp, "donor": donor.rid},
+        )
     return None
 
 
@@ -290,8 +338,13 @@ def shared_write(sched, batch, rng, step):
         batch.out_cache_loc[i] = target
         table[req.kv.req_pool_idx, pos] = target
         sched.token_to_kv_pool_allocator.free(torch.arange(mine, mine + ps, dtype=torch.int64))
-        return Injection("shared_write", step, holders(sched, batch, shared_page) | {req.rid},
-                         {"rid": req.rid, "shared_page": target // ps}, watch_slots=shared_page)
+        return Injection(
+            "shared_write",
+            step,
+            holders(sched, batch, shared_page) | {req.rid},
+            {"rid": req.rid, "shared_page": target // ps},
+            watch_slots=shared_page,
+        )
     return None
 
 
@@ -315,8 +368,14 @@ def never_written(sched, batch, rng, step):
             free_if_orphaned(sched, fresh)
             return True
 
-        return Injection("never_written", step, {req.rid}, {"rid": req.rid, "logical_page": lp,
-                         "page": int(fresh[0]) // ps}, watch_slots=fresh, cleanup=tidy)
+        return Injection(
+            "never_written",
+            step,
+            {req.rid},
+            {"rid": req.rid, "logical_page": lp, "page": int(fresh[0]) // ps},
+            watch_slots=fresh,
+            cleanup=tidy,
+        )
     return None
 
 

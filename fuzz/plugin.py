@@ -13,8 +13,11 @@ import os
 import random
 
 FUZZ_TARGETS = [
-    ("sglang.srt.managers.scheduler.Scheduler.run_batch", "AROUND",
-     "inject before the batch's forward, land delayed writes after it"),
+    (
+        "sglang.srt.managers.scheduler.Scheduler.run_batch",
+        "AROUND",
+        "inject before the batch's forward, land delayed writes after it",
+    ),
 ]
 
 _state = None
@@ -85,7 +88,9 @@ def around_run_batch(original, sched, batch, *args, **kwargs):
             inj = INJECTORS[entry["cls"]](sched, batch, rng, st.step)
             if inj is None and entry["tries"] >= entry.get("max_tries", 400):
                 st.queue.pop(0)  # the workload never offered a fitting moment
-                st.log({"event": "skipped", "id": entry["id"], "cls": entry["cls"], "step": st.step})
+                st.log(
+                    {"event": "skipped", "id": entry["id"], "cls": entry["cls"], "step": st.step}
+                )
             if inj is not None:
                 st.queue.pop(0)
                 inj.detail["id"] = entry["id"]
@@ -107,8 +112,17 @@ def _record(st, inj, event):
     detail = {k: v for k, v in inj.detail.items() if k != "pending"}
     if pending is not None:
         detail["stale_from"] = pending["from"]
-    st.log({"event": event, "id": inj.detail.get("id"), "cls": inj.cls, "step": inj.step,
-            "at_step": st.step, "victims": sorted(inj.victims), "detail": detail})
+    st.log(
+        {
+            "event": event,
+            "id": inj.detail.get("id"),
+            "cls": inj.cls,
+            "step": inj.step,
+            "at_step": st.step,
+            "victims": sorted(inj.victims),
+            "detail": detail,
+        }
+    )
 
 
 def load() -> None:

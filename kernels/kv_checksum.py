@@ -39,7 +39,7 @@ from .kv_checksum_ref import (
     SM_M1,
     SM_M2,
     _row_word_views,
-    block_digests,  # noqa: F401  (re-exported for callers)
+    block_digests,
     row_words,
     token_digests_ref,
     word_constants,
@@ -206,10 +206,10 @@ def token_digests(
 
 
 __all__ = [
-    "token_digests",
-    "token_digests_triton",
-    "token_digests_ref",
-    "block_digests",
-    "word_constants",
     "HAVE_TRITON",
+    "block_digests",
+    "token_digests",
+    "token_digests_ref",
+    "token_digests_triton",
+    "word_constants",
 ]

@@ -229,7 +229,9 @@ def token_digests_ref(
         raise ValueError("need at least one KV buffer")
     inner = inner_sums_ref(buffers, slots)
     positions = positions.to(inner.device)
-    return fmix64(inner ^ (poskey_cpu(positions) if inner.device.type == "cpu" else poskey(positions)))
+    return fmix64(
+        inner ^ (poskey_cpu(positions) if inner.device.type == "cpu" else poskey(positions))
+    )
 
 
 def block_digests(

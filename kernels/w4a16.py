@@ -189,4 +189,4 @@ def w4a16_matmul(
     return w4a16_matmul_ref(x, qweight, qzeros, scales, group_size, zero_offset, bias)
 
 
-__all__ = ["w4a16_matmul", "w4a16_matmul_triton", "w4a16_matmul_ref", "HAVE_TRITON"]
+__all__ = ["HAVE_TRITON", "w4a16_matmul", "w4a16_matmul_ref", "w4a16_matmul_triton"]

@@ -35,7 +35,9 @@ class Actions:
         self.num_violations = 0  # since start: the engine's own consistency checks may now trip
         self.num_quarantined_total = 0
 
-    def apply(self, violations: list[Violation], handles: list[object], bad_pages: torch.Tensor, step: int):
+    def apply(
+        self, violations: list[Violation], handles: list[object], bad_pages: torch.Tensor, step: int
+    ):
         for violation, handle in zip(violations, handles):
             for kind in violation.kinds.names():
                 self.metrics.violations.labels(kind=kind).inc()
@@ -67,4 +69,3 @@ class Actions:
     def engine_event(self, violation: Violation):
         """A violation with no request to abort (e.g. a double free): count and log it."""
         self.apply([violation], [None], torch.empty(0, dtype=torch.int64), violation.step)
-

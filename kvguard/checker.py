@@ -99,7 +99,9 @@ class StepChecker:
             # What a request flagged this step writes was computed from KV it should not have
             # read: its pages must not reach the prefix cache (hits through them are refused).
             wb = v.write_batch.to(torch.int64)
-            wpage = torch.div(v.write_slots.to(torch.int64), self.ledger.page_size, rounding_mode="floor")
+            wpage = torch.div(
+                v.write_slots.to(torch.int64), self.ledger.page_size, rounding_mode="floor"
+            )
             if not (self.host_reads_free and not bool(kinds.any())):
                 taint.index_put_((wpage,), kinds[wb] != 0, accumulate=True)
         if reads is not None and not (self.host_reads_free and not bool(taint.any())):
@@ -165,11 +167,16 @@ class StepChecker:
         else:
             cp = torch.where(first, page, torch.zeros_like(page))  # page 0 is SGLang's padding page
             keep = ~first
-            L.state[cp] = torch.where(keep, L.state[cp], torch.full_like(L.state[cp], PageState.OWNED))
+            L.state[cp] = torch.where(
+                keep, L.state[cp], torch.full_like(L.state[cp], PageState.OWNED)
+            )
             L.epoch[cp] = torch.where(keep, L.epoch[cp], epoch)
             L.owner_row[cp] = torch.where(keep, L.owner_row[cp], r.to(torch.int32))
             L.lpage[cp] = torch.where(keep, L.lpage[cp], lp.to(torch.int32))
-            rr, ll = torch.where(first, r, 0), torch.where(first, lp, 0)  # row 0 is SGLang's padding row
+            rr, ll = (
+                torch.where(first, r, 0),
+                torch.where(first, lp, 0),
+            )  # row 0 is SGLang's padding row
             R.epoch[rr, ll] = torch.where(keep, R.epoch[rr, ll], epoch)
             L.record(torch.where(first, page, torch.zeros_like(page)), Event.CLAIM, v.step, r)
 
@@ -230,7 +237,9 @@ class StepChecker:
             pl = v.prefix_lens.to(torch.int64)
             seg = torch.repeat_interleave(torch.arange(B, device=dev), pl)
             tok_pos = torch.arange(seg.numel(), device=dev) - (torch.cumsum(pl, 0) - pl)[seg]
-            want = self._seeds(v, seg) + segment_prefix_sums(chain_terms(v.prefix_tokens, tok_pos), seg, B)
+            want = self._seeds(v, seg) + segment_prefix_sums(
+                chain_terms(v.prefix_tokens, tok_pos), seg, B
+            )
             expected = torch.zeros_like(slots)
             expected[seg, tok_pos] = want
         else:
@@ -320,7 +329,9 @@ class StepChecker:
         self.sweep_cursor = (self.sweep_cursor + n) % L.num_slots
         page = torch.div(slots, ps, rounding_mode="floor")
         pos = L.lpage[page].to(torch.int64) * ps + slots % ps
-        live = L.written[slots] & ((L.state[page] == PageState.OWNED) | (L.state[page] == PageState.SHARED))
+        live = L.written[slots] & (
+            (L.state[page] == PageState.OWNED) | (L.state[page] == PageState.SHARED)
+        )
         bad = live & (self._digests(slots, pos.clamp(min=0)) != L.digest[slots])
         taint.index_put_((page,), bad, accumulate=True)
 

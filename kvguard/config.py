@@ -51,7 +51,7 @@ class GuardConfig:
         return self.mode in (Mode.SAMPLED, Mode.PARANOID)
 
     @classmethod
-    def from_env(cls, environ=None, **overrides) -> "GuardConfig":
+    def from_env(cls, environ=None, **overrides) -> GuardConfig:
         """Read ``KVGUARD_MODE``, ``KVGUARD_SWEEP_TOKENS_PER_STEP``, ``KVGUARD_TENANT_ISOLATION``."""
         environ = os.environ if environ is None else environ
         values = {}
@@ -68,10 +68,12 @@ class GuardConfig:
         out = {}
         for f in fields(self):
             v = getattr(self, f.name)
-            out[f"KVGUARD_{f.name.upper()}"] = v.value if isinstance(v, Mode) else str(int(v) if isinstance(v, bool) else v)
+            out[f"KVGUARD_{f.name.upper()}"] = (
+                v.value if isinstance(v, Mode) else str(int(v) if isinstance(v, bool) else v)
+            )
         return out
 
-    def with_(self, **kw) -> "GuardConfig":
+    def with_(self, **kw) -> GuardConfig:
         return replace(self, **kw)
 
 

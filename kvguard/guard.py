@@ -44,11 +44,19 @@ class Guard:
         self.metrics = metrics or GuardMetrics.default()
         self.actions = Actions(self.ledger, self.metrics, engine)
         self.step = 0
-        self.flush_wanted = False  # a quarantine happened: the engine should drop its caches when idle
-        self.releasing_row: int | None = None  # set by the adapter while it releases an aborted request
+        self.flush_wanted = (
+            False  # a quarantine happened: the engine should drop its caches when idle
+        )
+        self.releasing_row: int | None = (
+            None  # set by the adapter while it releases an aborted request
+        )
         self._hashed_reported = 0
-        self._pending_taint = torch.zeros(self.ledger.num_pages, dtype=torch.bool, device=self.ledger.device)
-        self._double_freed = torch.zeros(self.ledger.num_pages, dtype=torch.bool, device=self.ledger.device)
+        self._pending_taint = torch.zeros(
+            self.ledger.num_pages, dtype=torch.bool, device=self.ledger.device
+        )
+        self._double_freed = torch.zeros(
+            self.ledger.num_pages, dtype=torch.bool, device=self.ledger.device
+        )
         self._unresolved: StepVerdict | None = None  # the newest verdict not read yet
 
     def set_mode(self, mode) -> None:
@@ -65,7 +73,9 @@ class Guard:
     def before_forward(self, view: StepView) -> StepVerdict:
         t0 = time.perf_counter()
         self.step = view.step
-        self.checker.escalated = self.flush_wanted  # a quarantine not yet flushed: verify every read
+        self.checker.escalated = (
+            self.flush_wanted
+        )  # a quarantine not yet flushed: verify every read
         # Pages found bad between forwards (allocation) count as found in this step.
         verdict = self.checker.before_forward(view, self._pending_taint)
         self._pending_taint = torch.zeros_like(self._pending_taint)
@@ -90,8 +100,14 @@ class Guard:
         if self._unresolved is verdict:
             self._unresolved = None
         B = verdict.kinds.numel()
-        if agree is None and self.checker.host_reads_free and not (
-            bool(verdict.kinds.any()) or bool(verdict.taint.any()) or bool(self._double_freed.any())
+        if (
+            agree is None
+            and self.checker.host_reads_free
+            and not (
+                bool(verdict.kinds.any())
+                or bool(verdict.taint.any())
+                or bool(self._double_freed.any())
+            )
         ):
             self._account(t0)
             return []  # CPU, one rank, a clean step: nothing to gather
@@ -102,8 +118,13 @@ class Guard:
             # belongs to a new owner and is not quarantined under it.
             L = self.ledger
             taint = taint & (L.epoch == verdict.taint_epoch) & (L.state != PageState.ALLOCATED)
-        summary = torch.cat((verdict.kinds, taint.to(torch.int64),
-                             self._double_freed.any().to(torch.int64).reshape(1)))
+        summary = torch.cat(
+            (
+                verdict.kinds,
+                taint.to(torch.int64),
+                self._double_freed.any().to(torch.int64).reshape(1),
+            )
+        )
         if agree is not None:
             summary = agree(summary)
         summary = summary.cpu()
@@ -135,8 +156,12 @@ class Guard:
         keep = (st != PageState.FREE) & (st != PageState.QUARANTINED)
         if self.releasing_row is not None:
             keep &= (st == PageState.OWNED) & (L.owner_row[pages] == self.releasing_row)
-        self._double_freed.index_put_((pages,), st == PageState.FREE, accumulate=True)  # read at resolve
-        if self.actions.num_quarantined_total:  # host int: no sync while nothing was ever quarantined
+        self._double_freed.index_put_(
+            (pages,), st == PageState.FREE, accumulate=True
+        )  # read at resolve
+        if (
+            self.actions.num_quarantined_total
+        ):  # host int: no sync while nothing was ever quarantined
             L.num_quarantined += int((st == PageState.QUARANTINED).sum())  # withheld from now on
         pages = pages[keep]  # a sync on GPU, like the torch.unique SGLang's free already does
         L.release(pages, self.step)
@@ -167,7 +192,9 @@ class Guard:
     def holds_quarantined(self, slots: torch.Tensor) -> bool:
         """Slow path (only once something was quarantined): does this slot list touch one?"""
         pages = torch.div(slots.to(torch.int64), self.ledger.page_size, rounding_mode="floor")
-        return bool((self.ledger.state[pages.to(self.ledger.device)] == PageState.QUARANTINED).any())
+        return bool(
+            (self.ledger.state[pages.to(self.ledger.device)] == PageState.QUARANTINED).any()
+        )
 
     def private_pages(self, row: int) -> torch.Tensor:
         """Pages the ledger says this row owns privately (slow path: aborted requests only)."""
@@ -207,8 +234,14 @@ class Guard:
         pages = torch.nonzero(self._double_freed).reshape(-1)
         self._double_freed.zero_()
         self.actions.engine_event(
-            Violation(new_violation_id(), Kind.DOUBLE_FREE, self.step, None, None,
-                      [self.ledger.describe(int(p)) for p in pages[:8].tolist()])
+            Violation(
+                new_violation_id(),
+                Kind.DOUBLE_FREE,
+                self.step,
+                None,
+                None,
+                [self.ledger.describe(int(p)) for p in pages[:8].tolist()],
+            )
         )
 
     # -- internals --------------------------------------------------------------------------------------
@@ -225,7 +258,9 @@ class Guard:
         row = int(v.rows[b])
         n = int(v.prefix_lens[b])
         mine = v.write_batch == b
-        slots = torch.cat((v.page_table[row, :n].to(torch.int64), v.write_slots[mine].to(torch.int64))).cpu()
+        slots = torch.cat(
+            (v.page_table[row, :n].to(torch.int64), v.write_slots[mine].to(torch.int64))
+        ).cpu()
         pos = torch.cat((torch.arange(n), v.write_pos[mine].to(torch.int64).cpu()))
         page = slots // ps
         found = torch.zeros_like(slots)
@@ -235,12 +270,21 @@ class Guard:
         exp_digest = R.digest[row, pos.to(L.device)].cpu()
         reasons = {
             "epoch": L.epoch[page.to(L.device)].cpu() != exp_epoch,
-            "state": ~torch.isin(L.state[page.to(L.device)].cpu(), torch.tensor([int(PageState.OWNED), int(PageState.SHARED), int(PageState.ALLOCATED)])),
+            "state": ~torch.isin(
+                L.state[page.to(L.device)].cpu(),
+                torch.tensor(
+                    [int(PageState.OWNED), int(PageState.SHARED), int(PageState.ALLOCATED)]
+                ),
+            ),
             "offset": (slots % ps) != (pos % ps),
-            "digest": (torch.arange(slots.numel()) < n) & (found != exp_digest) if self.config.checksums else torch.zeros_like(slots, dtype=torch.bool),
+            "digest": (torch.arange(slots.numel()) < n) & (found != exp_digest)
+            if self.config.checksums
+            else torch.zeros_like(slots, dtype=torch.bool),
             "quarantined": L.state[page.to(L.device)].cpu() == PageState.QUARANTINED,
         }
-        write_kinds = Kind.OVERWRITE | Kind.DOUBLE_ALLOCATION | Kind.WRITE_TO_SHARED | Kind.TABLE_MISMATCH
+        write_kinds = (
+            Kind.OVERWRITE | Kind.DOUBLE_ALLOCATION | Kind.WRITE_TO_SHARED | Kind.TABLE_MISMATCH
+        )
         if kinds & write_kinds:  # the write targets themselves are the evidence
             reasons["write_target"] = torch.arange(slots.numel()) >= n
         suspect = torch.zeros_like(slots, dtype=torch.bool)
@@ -255,11 +299,16 @@ class Guard:
                 pages[pg] = {**L.describe(pg), "positions": []}
             entry = pages[pg]["positions"]
             if len(entry) < 8:
-                entry.append({
-                    "position": int(pos[i]), "slot": int(slots[i]), "write": i >= n,
-                    "why": [k for k, m in reasons.items() if bool(m[i])],
-                    "expected_epoch": int(exp_epoch[i]),
-                    "expected_digest": int(exp_digest[i]), "found_digest": int(found[i]),
-                })
+                entry.append(
+                    {
+                        "position": int(pos[i]),
+                        "slot": int(slots[i]),
+                        "write": i >= n,
+                        "why": [k for k, m in reasons.items() if bool(m[i])],
+                        "expected_epoch": int(exp_epoch[i]),
+                        "expected_digest": int(exp_digest[i]),
+                        "found_digest": int(found[i]),
+                    }
+                )
         rid = v.request_ids[b] if v.request_ids else None
         return Violation(new_violation_id(), kinds, v.step, rid, row, list(pages.values()))

@@ -91,7 +91,9 @@ class PageLedger:
         pages = pages.to(torch.int64)
         self.state[pages] = PageState.FREE
         self.owner_row[pages] = -1
-        slots = (pages[:, None] * self.page_size + torch.arange(self.page_size, device=self.device)).reshape(-1)
+        slots = (
+            pages[:, None] * self.page_size + torch.arange(self.page_size, device=self.device)
+        ).reshape(-1)
         self.written[slots] = False
         self.record(pages, Event.FREE, step)
 
@@ -121,7 +123,9 @@ class PageLedger:
         """The prefix cache took these slots' pages (radix insert)."""
         pages = torch.div(slots.to(torch.int64), self.page_size, rounding_mode="floor")
         owned = self.state[pages] == PageState.OWNED
-        self.state[pages] = torch.where(owned, torch.full_like(self.state[pages], PageState.SHARED), self.state[pages])
+        self.state[pages] = torch.where(
+            owned, torch.full_like(self.state[pages], PageState.SHARED), self.state[pages]
+        )
         self.record(pages, Event.SHARE, step)
 
     def quarantine(self, pages: torch.Tensor, step: int):

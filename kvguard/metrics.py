@@ -4,7 +4,7 @@ server's ``/metrics`` through prometheus-client's multiprocess mode, which SGLan
 
 from __future__ import annotations
 
-_default: "GuardMetrics | None" = None
+_default: GuardMetrics | None = None
 
 
 class GuardMetrics:
@@ -14,16 +14,24 @@ class GuardMetrics:
         from prometheus_client import REGISTRY, Counter
 
         kw = dict(namespace="kvguard", registry=REGISTRY if registry is None else registry)
-        self.steps_checked = Counter("steps_checked", "Forward steps whose reads and writes were checked", **kw)
-        self.tokens_checked = Counter("tokens_checked", "KV token reads and writes tag-checked", **kw)
-        self.tokens_checksummed = Counter("tokens_checksummed", "KV tokens hashed (seal, hand-off, sweep, paranoid)", **kw)
-        self.violations = Counter("violations", "Integrity violations found, by kind", ["kind"], **kw)
+        self.steps_checked = Counter(
+            "steps_checked", "Forward steps whose reads and writes were checked", **kw
+        )
+        self.tokens_checked = Counter(
+            "tokens_checked", "KV token reads and writes tag-checked", **kw
+        )
+        self.tokens_checksummed = Counter(
+            "tokens_checksummed", "KV tokens hashed (seal, hand-off, sweep, paranoid)", **kw
+        )
+        self.violations = Counter(
+            "violations", "Integrity violations found, by kind", ["kind"], **kw
+        )
         self.requests_aborted = Counter("requests_aborted", "Requests aborted by the guard", **kw)
         self.pages_quarantined = Counter("pages_quarantined", "KV pages withheld from reuse", **kw)
         self.check_seconds = Counter("check_seconds", "Host time spent in guard hooks", **kw)
 
     @classmethod
-    def default(cls) -> "GuardMetrics":
+    def default(cls) -> GuardMetrics:
         global _default
         if _default is None:
             _default = cls()

@@ -10,6 +10,7 @@ import torch
 from kvguard.patches import state
 from kvguard.step import StepView
 
+
 def failed_verdict(batch):
     """A verdict that aborts every request of the batch: what cannot be checked is not served."""
     from kvguard.checker import StepVerdict
@@ -18,12 +19,24 @@ def failed_verdict(batch):
     n = len(batch.reqs)
     dev = state.guard.ledger.device
     rows = torch.zeros(n, dtype=torch.int64, device=dev)
-    view = StepView(step=state.guard.step, rows=rows, prefix_lens=rows, max_prefix_len=0,
-                    write_slots=rows[:0], write_batch=rows[:0], write_pos=rows[:0],
-                    write_tokens=rows[:0], page_table=state.scheduler.req_to_token_pool.req_to_token,
-                    request_ids=[r.rid for r in batch.reqs])
+    view = StepView(
+        step=state.guard.step,
+        rows=rows,
+        prefix_lens=rows,
+        max_prefix_len=0,
+        write_slots=rows[:0],
+        write_batch=rows[:0],
+        write_pos=rows[:0],
+        write_tokens=rows[:0],
+        page_table=state.scheduler.req_to_token_pool.req_to_token,
+        request_ids=[r.rid for r in batch.reqs],
+    )
     kinds = torch.full((n,), int(Kind.GUARD_ERROR), dtype=torch.int64, device=dev)
-    return StepVerdict(view=view, kinds=kinds, taint=torch.zeros(state.guard.ledger.num_pages, dtype=torch.bool, device=dev))
+    return StepVerdict(
+        view=view,
+        kinds=kinds,
+        taint=torch.zeros(state.guard.ledger.num_pages, dtype=torch.bool, device=dev),
+    )
 
 
 def step_view(fb, batch, step: int) -> StepView | None:
@@ -32,7 +45,9 @@ def step_view(fb, batch, step: int) -> StepView | None:
     rows = fb.req_pool_indices.to(torch.int64)
     if mode.is_decode():
         prefix = fb.seq_lens.to(torch.int64) - 1
-        max_prefix = int(fb.seq_lens_cpu.max()) - 1 if fb.seq_lens_cpu is not None else int(prefix.max())
+        max_prefix = (
+            int(fb.seq_lens_cpu.max()) - 1 if fb.seq_lens_cpu is not None else int(prefix.max())
+        )
         write_batch = torch.arange(rows.numel(), device=rows.device)
         prefix_tokens = None
     elif mode.is_extend() and fb.extend_prefix_lens is not None:
@@ -45,7 +60,11 @@ def step_view(fb, batch, step: int) -> StepView | None:
         tokens = array("q")
         for req, n in zip(batch.reqs, fb.extend_prefix_lens_cpu):
             tokens.extend(req.full_untruncated_fill_ids[:n])
-        prefix_tokens = torch.frombuffer(tokens, dtype=torch.int64) if tokens else torch.empty(0, dtype=torch.int64)
+        prefix_tokens = (
+            torch.frombuffer(tokens, dtype=torch.int64)
+            if tokens
+            else torch.empty(0, dtype=torch.int64)
+        )
         prefix_tokens = prefix_tokens.to(rows.device, non_blocking=True)
     else:
         return None

@@ -9,6 +9,7 @@ import torch
 
 from kvguard.patches import state
 
+
 class SGLangControl:
     """EngineControl for SGLang: what the guard's action layer may do to the engine."""
 
@@ -20,7 +21,9 @@ class SGLangControl:
 
         if req.finished():
             return  # already finished and released: nothing of it is served again
-        reason = FINISH_ABORT(violation.message, HTTPStatus.INTERNAL_SERVER_ERROR, "KVCacheIntegrityError")
+        reason = FINISH_ABORT(
+            violation.message, HTTPStatus.INTERNAL_SERVER_ERROR, "KVCacheIntegrityError"
+        )
         req.skip_radix_cache_insert = True  # suspect KV never enters the prefix cache
         req.kvguard_violation = violation
         sched = self.scheduler
@@ -65,7 +68,11 @@ class SGLangControl:
         held[0] = True  # SGLang's padding page
         tree = sched.tree_cache
         if tree.evictable_size() or tree.protected_size():
-            held[torch.div(tree.all_values_flatten().to(L.device, torch.int64), ps, rounding_mode="floor")] = True
+            held[
+                torch.div(
+                    tree.all_values_flatten().to(L.device, torch.int64), ps, rounding_mode="floor"
+                )
+            ] = True
         quarantined = L.state[: n + 1] == PageState.QUARANTINED
         free = torch.nonzero(~held & ~quarantined).reshape(-1)
         before = alloc.available_size() // ps
@@ -91,7 +98,9 @@ def release_aborted(scheduler, req):
     state.guard.releasing_row = row
     try:
         own = state.guard.private_pages(row)
-        scheduler.batch_result_processor._handle_sampling_mask_abort(req)  # "release, do not commit"
+        scheduler.batch_result_processor._handle_sampling_mask_abort(
+            req
+        )  # "release, do not commit"
         left = own[state.guard.ledger.state[own] == 1]  # still OWNED: displaced from the row
         left = left[state.guard.ledger.owner_row[left] == row]
         if left.numel():

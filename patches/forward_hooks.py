@@ -13,6 +13,7 @@ from kvguard.patches.control import release_aborted
 
 log = structlog.get_logger("kvguard")
 
+
 # -- TpModelWorker.forward_batch_generation (AROUND) ---------------------------------------------------
 def around_worker_forward(original, worker, batch=None, *args, **kwargs):
     if not state.on():
@@ -67,9 +68,16 @@ def around_process_batch_result(original, scheduler, batch, result, *args, **kwa
         from kvguard.verdict import Kind, Violation, new_violation_id
 
         for req in batch.reqs:
-            control.abort(req, Violation(new_violation_id(), Kind.GUARD_ERROR, verdict.view.step, req.rid, None))
-    aborted = [r for r in batch.reqs if getattr(r, "kvguard_violation", None) is not None
-               and not getattr(r, "kvguard_released", False)]
+            control.abort(
+                req,
+                Violation(new_violation_id(), Kind.GUARD_ERROR, verdict.view.step, req.rid, None),
+            )
+    aborted = [
+        r
+        for r in batch.reqs
+        if getattr(r, "kvguard_violation", None) is not None
+        and not getattr(r, "kvguard_released", False)
+    ]
     if not aborted:
         return original(scheduler, batch, result, *args, **kwargs)
     # Finished requests are skipped by the result loop under overlap semantics: their token of

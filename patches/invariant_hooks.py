@@ -10,6 +10,7 @@ from kvguard.patches.control import SGLangControl
 
 log = structlog.get_logger("kvguard")
 
+
 # -- SchedulerInvariantChecker._report_leak / _check_kv_page_invariants (AROUND) ---------------------------------
 def around_memory_check(original, checker, *args, **kwargs):
     """After kvguard contained engine bugs (aborted their victims, withheld their pages), SGLang's
@@ -23,8 +24,12 @@ def around_memory_check(original, checker, *args, **kwargs):
         repaired = None
         if state.scheduler is not None and state.scheduler.is_fully_idle():
             repaired = SGLangControl(state.scheduler).rebuild_free_list()
-        log.warning("kvguard_engine_memory_check_after_violations", error=str(exc),
-                    violations=state.guard.actions.num_violations, free_pages_rebuilt=repaired)
+        log.warning(
+            "kvguard_engine_memory_check_after_violations",
+            error=str(exc),
+            violations=state.guard.actions.num_violations,
+            free_pages_rebuilt=repaired,
+        )
 
 
 # -- SchedulerPoolStatsObserver._get_token_info (AROUND) ----------------------------------------------

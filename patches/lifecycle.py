@@ -3,7 +3,6 @@ pool is flushed, and the prefix cache flushed at the next idle moment after a qu
 
 from __future__ import annotations
 
-
 import structlog
 
 from kvguard.config import GuardConfig
@@ -12,6 +11,7 @@ from kvguard.patches import state
 from kvguard.patches.control import SGLangControl
 
 log = structlog.get_logger("kvguard")
+
 
 # -- Scheduler.__init__ (AFTER) -------------------------------------------------------------------------
 def attach(result, scheduler, *args, **kwargs):
@@ -38,8 +38,14 @@ def attach(result, scheduler, *args, **kwargs):
         engine=SGLangControl(scheduler),
     )
     state.scheduler = scheduler
-    log.info("kvguard_attached", mode=config.mode.value, pid=__import__("os").getpid(),
-             slots=buffers[0].shape[0], page_size=state.guard.ledger.page_size, layers=len(k_buf))
+    log.info(
+        "kvguard_attached",
+        mode=config.mode.value,
+        pid=__import__("os").getpid(),
+        slots=buffers[0].shape[0],
+        page_size=state.guard.ledger.page_size,
+        layers=len(k_buf),
+    )
     return result
 
 

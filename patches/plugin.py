@@ -8,8 +8,8 @@ from __future__ import annotations
 import importlib
 
 from kvguard.config import GuardConfig
-from kvguard.patches.targets import CANARY_TARGETS, GUARD_TARGETS, QUANT_TARGETS, TP_TARGETS
 from kvguard.logconfig import configure_from_env
+from kvguard.patches.targets import CANARY_TARGETS, GUARD_TARGETS, QUANT_TARGETS, TP_TARGETS
 
 _registered = False
 

@@ -7,6 +7,7 @@ import torch
 
 from kvguard.patches import state
 
+
 # -- allocator frees (AROUND) -----------------------------------------------------------------------------
 def around_release_pages(original, allocator, *page_ids):
     if not state.on() or not page_ids:
@@ -30,5 +31,7 @@ def on_slots_allocated(result, allocator, *args, **kwargs):
 # -- ReqToTokenPool.alloc_rows (AFTER) ---------------------------------------------------------------------
 def on_rows_allocated(result, pool, *args, **kwargs):
     if state.guard is not None and result:
-        state.guard.on_rows_allocated(torch.tensor(result, dtype=torch.int64, device=state.guard.ledger.device))
+        state.guard.on_rows_allocated(
+            torch.tensor(result, dtype=torch.int64, device=state.guard.ledger.device)
+        )
     return result

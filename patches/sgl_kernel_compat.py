@@ -26,7 +26,11 @@ def _packed_rows(start_offset: torch.Tensor, end_offset: torch.Tensor):
     lens = (end_offset - start_offset).to(torch.int64)
     span = torch.repeat_interleave(torch.arange(lens.numel(), device=lens.device), lens)
     first = torch.cumsum(lens, 0) - lens  # packed offset where each span begins
-    col = start_offset.to(torch.int64)[span] + torch.arange(span.numel(), device=lens.device) - first[span]
+    col = (
+        start_offset.to(torch.int64)[span]
+        + torch.arange(span.numel(), device=lens.device)
+        - first[span]
+    )
     return span, col
 
 
@@ -62,7 +66,11 @@ def assign_draft_cache_locs_contiguous_cpu(
 def fill_bonus_tokens_cpu(accept_tokens, accept_lens, bonus_tokens, accept_stride):
     """bonus_tokens[i] = accept_tokens.flat[accept_stride*i + accept_lens[i] - 1]."""
     bs = accept_lens.numel()
-    idx = torch.arange(bs, device=accept_lens.device) * accept_stride + accept_lens.to(torch.int64) - 1
+    idx = (
+        torch.arange(bs, device=accept_lens.device) * accept_stride
+        + accept_lens.to(torch.int64)
+        - 1
+    )
     bonus_tokens[:bs] = accept_tokens.reshape(-1)[idx].to(bonus_tokens.dtype)
 
 

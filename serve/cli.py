@@ -24,9 +24,8 @@ from importlib.util import find_spec
 from pathlib import Path
 
 from kvguard import logconfig
-from kvguard.serve.preflight import LaunchError, check_listen_address, check_model_path
-
 from kvguard.config import ConfigError, GuardConfig, Mode
+from kvguard.serve.preflight import LaunchError, check_listen_address, check_model_path
 
 PROG = "kvguard-serve"
 

@@ -12,15 +12,22 @@ import os
 import sysconfig
 from pathlib import Path
 
-SKIP_DIRS = frozenset({"test", "tests", "idlelib", "lib2to3", "site-packages",
-                       # pydoc_data/topics.py: one 750 KB string of rendered docs
-                       "pydoc_data"})
+SKIP_DIRS = frozenset(
+    {
+        "test",
+        "tests",
+        "idlelib",
+        "lib2to3",
+        "site-packages",
+        # pydoc_data/topics.py: one 750 KB string of rendered docs
+        "pydoc_data",
+    }
+)
 # Machine-generated data tables, not Python code people write: the charmap
 # codecs in encodings/ (cp1252.py, mac_roman.py, ...) made by gencodec.py.
 GENERATED_HEADER = b'""" Python Character Mapping Codec'
 
 HELDOUT_EVERY = 50
-
 
 
 def stdlib_root() -> Path:

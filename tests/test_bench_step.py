@@ -14,5 +14,7 @@ def test_ops_per_step_do_not_grow_with_batch_or_context(page_size):
     # both runs take the same CPU branches (a claim step, a sweep step): only the sizes differ.
     for mode in ("tags", "sampled", "paranoid"):
         _, small = run(mode, batch=2, prompt=8, new=16, reps=1, page_size=page_size, count_ops=True)
-        _, large = run(mode, batch=12, prompt=100, new=16, reps=1, page_size=page_size, count_ops=True)
+        _, large = run(
+            mode, batch=12, prompt=100, new=16, reps=1, page_size=page_size, count_ops=True
+        )
         assert small == large, (mode, small, large)

@@ -25,15 +25,25 @@ class Pool:
         g = torch.Generator().manual_seed(seed)
         self.ps = page_size
         self.num_slots = 4096 + page_size
-        self.bufs = [torch.randint(0, 255, (self.num_slots, 2, 8), dtype=torch.uint8, generator=g) for _ in range(4)]
+        self.bufs = [
+            torch.randint(0, 255, (self.num_slots, 2, 8), dtype=torch.uint8, generator=g)
+            for _ in range(4)
+        ]
         self.table = torch.zeros(PS_ROWS, 256, dtype=torch.int32)
-        self.guard = Guard(GuardConfig(mode=mode), num_slots=self.num_slots, page_size=page_size,
-                           num_rows=PS_ROWS, max_len=256, kv_buffers=self.bufs, device="cpu")
+        self.guard = Guard(
+            GuardConfig(mode=mode),
+            num_slots=self.num_slots,
+            page_size=page_size,
+            num_rows=PS_ROWS,
+            max_len=256,
+            kv_buffers=self.bufs,
+            device="cpu",
+        )
         self.guard.checker.host_reads_free = host_reads_free
         self.rows = torch.arange(1, B + 1)
         width = 128
         self.slots = torch.arange(page_size, page_size + B * width).view(B, width)
-        self.table[1:B + 1, :width] = self.slots.to(torch.int32)
+        self.table[1 : B + 1, :width] = self.slots.to(torch.int32)
         self.len = 0
         self.step = 0
         self.tokens = torch.randint(0, 1000, (B, 256), generator=g)
@@ -48,9 +58,17 @@ class Pool:
         if fresh.numel():
             self.guard.on_alloc(fresh)
         self.step += 1
-        view = StepView(step=self.step, rows=self.rows, prefix_lens=torch.full((B,), L), max_prefix_len=L,
-                        write_slots=slots, write_batch=wb, write_pos=pos,
-                        write_tokens=self.tokens[wb, pos], page_table=self.table)
+        view = StepView(
+            step=self.step,
+            rows=self.rows,
+            prefix_lens=torch.full((B,), L),
+            max_prefix_len=L,
+            write_slots=slots,
+            write_batch=wb,
+            write_pos=pos,
+            write_tokens=self.tokens[wb, pos],
+            page_table=self.table,
+        )
         verdict = self.guard.before_forward(view)
         for b in self.bufs:  # the forward writes new KV
             b[slots] = (b[slots].to(torch.int32) + 7).to(torch.uint8)
@@ -64,12 +82,18 @@ class Pool:
 
 CORRUPTIONS = {
     "none": lambda pool: None,
-    "bit_flip": lambda pool: pool.bufs[1][int(pool.slots[2, 5])].view(-1).bitwise_xor_(
-        torch.tensor([0, 0, 0, 4] + [0] * 12, dtype=torch.uint8)),
-    "table_redirect": lambda pool: pool.table.__setitem__((int(pool.rows[0]), 3), int(pool.slots[1, 3])),
+    "bit_flip": lambda pool: pool.bufs[1][int(pool.slots[2, 5])]
+    .view(-1)
+    .bitwise_xor_(torch.tensor([0, 0, 0, 4] + [0] * 12, dtype=torch.uint8)),
+    "table_redirect": lambda pool: pool.table.__setitem__(
+        (int(pool.rows[0]), 3), int(pool.slots[1, 3])
+    ),
     "table_swap": lambda pool: pool.table[int(pool.rows[3])].index_copy_(
-        0, torch.tensor([2, 9]), pool.table[int(pool.rows[3]), [9, 2]].clone()),
-    "premature_free": lambda pool: pool.guard.on_release(torch.unique(pool.slots[1, :pool.ps] // pool.ps)),
+        0, torch.tensor([2, 9]), pool.table[int(pool.rows[3]), [9, 2]].clone()
+    ),
+    "premature_free": lambda pool: pool.guard.on_release(
+        torch.unique(pool.slots[1, : pool.ps] // pool.ps)
+    ),
     "double_alloc": lambda pool: pool.guard.on_alloc(pool.slots[2, :1]),
 }
 

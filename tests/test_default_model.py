@@ -80,8 +80,14 @@ ROUND_TRIP = [
 def _random_text(rng: random.Random, n: int) -> str:
     out = []
     while len(out) < n:
-        cp = rng.choice([rng.randrange(0x20, 0x7F), rng.randrange(0, 0x800),
-                         rng.randrange(0, 0x10000), rng.randrange(0, 0x110000)])
+        cp = rng.choice(
+            [
+                rng.randrange(0x20, 0x7F),
+                rng.randrange(0, 0x800),
+                rng.randrange(0, 0x10000),
+                rng.randrange(0, 0x110000),
+            ]
+        )
         if 0xD800 <= cp <= 0xDFFF:  # surrogates are not encodable as UTF-8
             continue
         out.append(chr(cp))
@@ -125,8 +131,13 @@ def test_weights_dtype_and_size(ckpt, report):
 def test_model_loads(ckpt, report):
     cfg = transformers.AutoConfig.from_pretrained(ckpt)
     assert cfg.architectures == ["LlamaForCausalLM"]
-    assert (cfg.hidden_size, cfg.num_hidden_layers, cfg.num_attention_heads,
-            cfg.num_key_value_heads, cfg.head_dim) == (256, 4, 4, 2, 64)
+    assert (
+        cfg.hidden_size,
+        cfg.num_hidden_layers,
+        cfg.num_attention_heads,
+        cfg.num_key_value_heads,
+        cfg.head_dim,
+    ) == (256, 4, 4, 2, 64)
     m = transformers.AutoModelForCausalLM.from_pretrained(ckpt, dtype="auto")
     assert m.dtype == torch.bfloat16
     assert sum(p.numel() for p in m.parameters()) == report["parameters"]
@@ -154,9 +165,10 @@ def test_heldout_perplexity_slice(tok, model_fp32, report):
 def test_greedy_is_python_like(tok, model_fp32):
     enc = tok("def __init__(self", return_tensors="pt")
     with torch.no_grad():
-        out = model_fp32.generate(**enc, do_sample=False, max_new_tokens=24,
-                                  pad_token_id=tok.pad_token_id)
-    text = tok.decode(out[0, enc["input_ids"].shape[1]:], skip_special_tokens=True)
+        out = model_fp32.generate(
+            **enc, do_sample=False, max_new_tokens=24, pad_token_id=tok.pad_token_id
+        )
+    text = tok.decode(out[0, enc["input_ids"].shape[1] :], skip_special_tokens=True)
     assert len(text) >= 10
     printable = sum(ch.isascii() and (ch.isprintable() or ch in "\n\t") for ch in text)
     assert printable / len(text) > 0.95, text

@@ -19,10 +19,7 @@ torch = pytest.importorskip("torch")
 os.environ.setdefault("SGLANG_USE_CPU_ENGINE", "1")
 pytest.importorskip("sglang")
 
-from kvguard.patches import cpu_fp8_kv  # noqa: E402
-from kvguard.patches.targets import QUANT_TARGETS  # noqa: E402
-
-from quant_helpers import (  # noqa: E402,I001
+from quant_helpers import (  # noqa: E402
     agreement,
     hf_greedy,
     prompt_ids,
@@ -30,6 +27,9 @@ from quant_helpers import (  # noqa: E402,I001
     sglang_greedy,
     tiny_trained_model,
 )
+
+from kvguard.patches import cpu_fp8_kv  # noqa: E402
+from kvguard.patches.targets import QUANT_TARGETS  # noqa: E402
 
 HEADS, KV_HEADS, DIM = 4, 2, 16
 

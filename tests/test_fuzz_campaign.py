@@ -8,13 +8,14 @@ from __future__ import annotations
 
 import json
 
+from tiny_model import serving_model
+
 from kvguard.fuzz.campaign import Settings
 from kvguard.fuzz.cli import run_campaign
 from kvguard.fuzz.client import Response
 from kvguard.fuzz.injectors import INJECTORS
 from kvguard.fuzz.oracle import classify, compare, injections_from_log
 from kvguard.fuzz.workload import build_workload, schedule_injections
-from tiny_model import serving_model
 
 
 def test_schedule_is_a_function_of_the_seed():

@@ -17,15 +17,29 @@ import random
 import pytest
 from tiny_model import serving_model
 
-CLASSES = ["double_allocation", "premature_free", "shared_write", "table_redirect", "table_swap", "bit_flip"]
+CLASSES = [
+    "double_allocation",
+    "premature_free",
+    "shared_write",
+    "table_redirect",
+    "table_swap",
+    "bit_flip",
+]
 SAMPLING = {"temperature": 0, "max_new_tokens": 40, "ignore_eos": True}
 
 
 def workload(n: int, seed: int = 0) -> list[str]:
     """Concurrent prompts with shared prefixes (the prefix cache is in play) and mixed lengths."""
     rng = random.Random(seed)
-    bases = ["def foo(x, y):\n    return x + y\n" * 3, "import os\nimport sys\n" * 4, "class A(object):\n    pass\n" * 3]
-    return [rng.choice(bases) + " ".join(str(rng.randint(0, 99)) for _ in range(rng.randint(1, 30))) for _ in range(n)]
+    bases = [
+        "def foo(x, y):\n    return x + y\n" * 3,
+        "import os\nimport sys\n" * 4,
+        "class A(object):\n    pass\n" * 3,
+    ]
+    return [
+        rng.choice(bases) + " ".join(str(rng.randint(0, 99)) for _ in range(rng.randint(1, 30)))
+        for _ in range(n)
+    ]
 
 
 class GuardedEngine:
@@ -34,19 +48,27 @@ class GuardedEngine:
 
         self.control = tmp / "control.json"
         self.fuzz_log = tmp / "fuzz.jsonl"
-        os.environ.update({
-            "SGLANG_USE_CPU_ENGINE": "1",
-            "SGLANG_CACHE_DIR": str(tmp / "sglang-cache"),
-            "KVGUARD_MODE": mode,
-            "KVGUARD_LOG_FORMAT": "json",
-            "KVGUARD_FUZZ_CONTROL": str(self.control),
-            "KVGUARD_FUZZ_LOG": str(self.fuzz_log),
-        })
+        os.environ.update(
+            {
+                "SGLANG_USE_CPU_ENGINE": "1",
+                "SGLANG_CACHE_DIR": str(tmp / "sglang-cache"),
+                "KVGUARD_MODE": mode,
+                "KVGUARD_LOG_FORMAT": "json",
+                "KVGUARD_FUZZ_CONTROL": str(self.control),
+                "KVGUARD_FUZZ_LOG": str(self.fuzz_log),
+            }
+        )
         model, _ = serving_model()
         self.engine = sgl.Engine(
-            model_path=str(model), device="cpu", attention_backend="torch_native",
-            disable_cuda_graph=True, max_total_tokens=2048, page_size=page_size,
-            chunked_prefill_size=128, skip_server_warmup=True, log_level="warning",
+            model_path=str(model),
+            device="cpu",
+            attention_backend="torch_native",
+            disable_cuda_graph=True,
+            max_total_tokens=2048,
+            page_size=page_size,
+            chunked_prefill_size=128,
+            skip_server_warmup=True,
+            log_level="warning",
         )
         self.plan: list[dict] = []
 
@@ -57,12 +79,18 @@ class GuardedEngine:
 
         async def go():
             return await asyncio.gather(
-                *[self.engine.async_generate(p, SAMPLING, rid=rid) for p, rid in zip(prompts, rids)],
-                return_exceptions=True)
+                *[
+                    self.engine.async_generate(p, SAMPLING, rid=rid)
+                    for p, rid in zip(prompts, rids)
+                ],
+                return_exceptions=True,
+            )
 
         out = self.engine.loop.run_until_complete(asyncio.wait_for(go(), 300))
-        return [{"error": str(r), "rid": rid} if isinstance(r, Exception) else {**r, "rid": rid}
-                for r, rid in zip(out, rids)]
+        return [
+            {"error": str(r), "rid": rid} if isinstance(r, Exception) else {**r, "rid": rid}
+            for r, rid in zip(out, rids)
+        ]
 
     def inject(self, cls: str, seed: int):
         self.plan.append({"id": len(self.plan) + 1, "cls": cls, "seed": seed, "max_tries": 60})
@@ -137,16 +165,28 @@ def test_tensor_parallel_ranks_agree(tmp_path):
 
     eng = GuardedEngine.__new__(GuardedEngine)
     eng.control, eng.fuzz_log, eng.plan = tmp_path / "control.json", tmp_path / "fuzz.jsonl", []
-    os.environ.update({
-        "SGLANG_USE_CPU_ENGINE": "1", "SGLANG_CACHE_DIR": str(tmp_path / "sglang-cache"),
-        "KVGUARD_MODE": "paranoid", "KVGUARD_LOG_FORMAT": "json",
-        "KVGUARD_FUZZ_CONTROL": str(eng.control), "KVGUARD_FUZZ_LOG": str(eng.fuzz_log),
-    })
+    os.environ.update(
+        {
+            "SGLANG_USE_CPU_ENGINE": "1",
+            "SGLANG_CACHE_DIR": str(tmp_path / "sglang-cache"),
+            "KVGUARD_MODE": "paranoid",
+            "KVGUARD_LOG_FORMAT": "json",
+            "KVGUARD_FUZZ_CONTROL": str(eng.control),
+            "KVGUARD_FUZZ_LOG": str(eng.fuzz_log),
+        }
+    )
     model, _ = serving_model()
     eng.engine = sgl.Engine(
-        model_path=str(model), device="cpu", attention_backend="torch_native", tp_size=2,
-        disable_cuda_graph=True, max_total_tokens=2048, page_size=16,
-        chunked_prefill_size=128, skip_server_warmup=True, log_level="warning",
+        model_path=str(model),
+        device="cpu",
+        attention_backend="torch_native",
+        tp_size=2,
+        disable_cuda_graph=True,
+        max_total_tokens=2048,
+        page_size=16,
+        chunked_prefill_size=128,
+        skip_server_warmup=True,
+        log_level="warning",
     )
     try:
         prompts = workload(8)

@@ -13,12 +13,7 @@ torch = pytest.importorskip("torch")
 os.environ.setdefault("SGLANG_USE_CPU_ENGINE", "1")  # before anything imports sglang
 pytest.importorskip("transformers")
 
-from kvguard.kernels import w4a16_ref as ref  # noqa: E402
-from kvguard.patches.int4_cpu_linear import Int4ConfigError, W4A16LinearKernel  # noqa: E402
-from kvguard.quant import quantize as Q  # noqa: E402
-from kvguard.quant.gptq import gptq_quantize  # noqa: E402
-
-from quant_helpers import (  # noqa: E402,I001
+from quant_helpers import (  # noqa: E402
     agreement,
     hf_greedy,
     prompt_ids,
@@ -26,6 +21,11 @@ from quant_helpers import (  # noqa: E402,I001
     sglang_greedy,
     tiny_trained_model,
 )
+
+from kvguard.kernels import w4a16_ref as ref  # noqa: E402
+from kvguard.patches.int4_cpu_linear import Int4ConfigError, W4A16LinearKernel  # noqa: E402
+from kvguard.quant import quantize as Q  # noqa: E402
+from kvguard.quant.gptq import gptq_quantize  # noqa: E402
 
 torch.set_num_threads(min(2, torch.get_num_threads()))
 
@@ -35,7 +35,7 @@ def _layer(k, n, gs, zero_offset=1, seed=0, dtype=torch.bfloat16):
     g = torch.Generator().manual_seed(seed)
     codes, zeros, scales = ref.quantize_rtn(torch.randn(k, n, generator=g), gs, sym=False)
     layer = torch.nn.Module()
-    p = lambda t: torch.nn.Parameter(t, requires_grad=False)  # noqa: E731
+    p = lambda t: torch.nn.Parameter(t, requires_grad=False)
     layer.qweight = p(ref.pack_rows(codes))
     layer.qzeros = p(ref.pack_cols(zeros - zero_offset))
     layer.scales = p(scales.to(dtype))  # SGLang creates scales in the model dtype
@@ -118,7 +118,7 @@ def test_gptq_beats_rtn_on_correlated_inputs():
     deq_gptq = (codes - zeros[group]).float() * scales[group]  # [K, N]
     c2, z2, s2 = ref.quantize_rtn(w.t(), gs)
     deq_rtn = (c2 - z2[group]).float() * s2[group]
-    err = lambda d: float((x @ d - x @ w.t()).norm())  # noqa: E731
+    err = lambda d: float((x @ d - x @ w.t()).norm())
     assert err(deq_gptq) < 0.8 * err(deq_rtn)
     assert bool((zeros == 8).all()) and int(codes.min()) >= 0 and int(codes.max()) <= 15
 

@@ -8,6 +8,7 @@ import pkgutil
 
 import pytest
 import torch
+
 from kvguard.patches import kv_canary_cpu as k
 from kvguard.patches.targets import CANARY_TARGETS
 

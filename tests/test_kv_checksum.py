@@ -149,7 +149,9 @@ def test_block_digests_wrapping_sum():
 
 def test_row_validation():
     with pytest.raises(ValueError):  # 6-byte rows
-        token_digests_ref([torch.zeros(4, 1, 3, dtype=torch.bfloat16)], torch.tensor([0]), torch.tensor([0]))
+        token_digests_ref(
+            [torch.zeros(4, 1, 3, dtype=torch.bfloat16)], torch.tensor([0]), torch.tensor([0])
+        )
     with pytest.raises(ValueError):  # non-contiguous row
         big = torch.zeros(4, 2, 8, dtype=torch.bfloat16)
         token_digests([big[:, :, :4]], torch.tensor([0]), torch.tensor([0]))
@@ -230,7 +232,10 @@ def _assert_all_flips_detected(bufs, which: int, bits: list[int], position: int 
     n = len(bits) + 1
     variant = _flip_variants(bufs[which], 3, bits)
     # Other buffers: slot 3's row replicated, so only buffer `which` differs.
-    new = [variant if i == which else b[3:4].expand(n, *b.shape[1:]).contiguous() for i, b in enumerate(bufs)]
+    new = [
+        variant if i == which else b[3:4].expand(n, *b.shape[1:]).contiguous()
+        for i, b in enumerate(bufs)
+    ]
     d = token_digests(new, torch.arange(n), torch.full((n,), position))
     assert int(d[0]) == int(token_digests(bufs, torch.tensor([3]), torch.tensor([position]))[0])
     assert bool((d[1:] != d[0]).all())
@@ -262,9 +267,13 @@ def test_swaps_change_block_digest():
     base = block_digests(token_digests(bufs, slots, pos), one_block, 1)
 
     swapped_pos = pos[[1, 0, 2, 3]]  # tokens 0 and 1 swap positions
-    assert not torch.equal(block_digests(token_digests(bufs, slots, swapped_pos), one_block, 1), base)
+    assert not torch.equal(
+        block_digests(token_digests(bufs, slots, swapped_pos), one_block, 1), base
+    )
     swapped_slots = slots[[0, 1, 3, 2]]  # tokens 2 and 3 swap slots (contents)
-    assert not torch.equal(block_digests(token_digests(bufs, swapped_slots, pos), one_block, 1), base)
+    assert not torch.equal(
+        block_digests(token_digests(bufs, swapped_slots, pos), one_block, 1), base
+    )
     shifted = pos + 1  # whole block moved to other positions
     assert not torch.equal(block_digests(token_digests(bufs, slots, shifted), one_block, 1), base)
     moved = slots.clone()
@@ -272,10 +281,14 @@ def test_swaps_change_block_digest():
     assert not torch.equal(block_digests(token_digests(bufs, moved, pos), one_block, 1), base)
     # the block digest is a sum: listing order of the same (slot, pos) pairs is irrelevant
     perm = torch.tensor([3, 1, 0, 2])
-    assert torch.equal(block_digests(token_digests(bufs, slots[perm], pos[perm]), one_block, 1), base)
+    assert torch.equal(
+        block_digests(token_digests(bufs, slots[perm], pos[perm]), one_block, 1), base
+    )
     # swapping the K and V buffers of a layer (buffer order) changes digests too
     kv_swapped = [bufs[1], bufs[0]] + bufs[2:]
-    assert not bool((token_digests(kv_swapped, slots, pos) == token_digests(bufs, slots, pos)).any())
+    assert not bool(
+        (token_digests(kv_swapped, slots, pos) == token_digests(bufs, slots, pos)).any()
+    )
 
 
 # ------------------------------------------------------- (e) determinism

@@ -23,7 +23,9 @@ def test_served_only_when_no_real_sgl_kernel(tmp_path):
     real.mkdir()
     (real / "__init__.py").write_text("REAL = True\n")
     code = "import sgl_kernel; print(getattr(sgl_kernel, 'REAL', False), getattr(sgl_kernel, 'KVGUARD_COMPAT', False))"
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path, check=True)
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path, check=True
+    )
     assert out.stdout.split() == ["True", "False"]
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.split() == ["False", "True"]

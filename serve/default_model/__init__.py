@@ -51,5 +51,10 @@ def build_report() -> dict:
     return json.loads((ensure_default_model() / "build_report.json").read_text())
 
 
-__all__ = ["DEFAULT_MODEL_DIR", "REQUIRED_FILES", "DefaultModelMissingError",
-           "ensure_default_model", "build_report"]
+__all__ = [
+    "DEFAULT_MODEL_DIR",
+    "REQUIRED_FILES",
+    "DefaultModelMissingError",
+    "build_report",
+    "ensure_default_model",
+]

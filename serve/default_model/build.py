@@ -129,6 +129,7 @@ TINY = Spec(
 # Tokenizer
 # --------------------------------------------------------------------------
 
+
 def train_tokenizer(texts: list[str], vocab_size: int):
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
@@ -192,6 +193,7 @@ def encode_stream(tok, texts: list[str]) -> list[int]:
 # --------------------------------------------------------------------------
 # Model / training
 # --------------------------------------------------------------------------
+
 
 def make_config(spec: Spec):
     from transformers import LlamaConfig
@@ -274,11 +276,18 @@ def dir_bytes(d: Path, exclude=("build_report.json",)) -> int:
 
 
 # What a build writes; an existing --out dir holding anything else is refused.
-OUTPUT_FILES = frozenset({
-    "config.json", "generation_config.json", "model.safetensors", "tokenizer.json",
-    "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
-    "build_report.json",
-})
+OUTPUT_FILES = frozenset(
+    {
+        "config.json",
+        "generation_config.json",
+        "model.safetensors",
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "special_tokens_map.json",
+        "chat_template.jinja",
+        "build_report.json",
+    }
+)
 
 
 def _check_replaceable(final: Path) -> None:
@@ -289,7 +298,8 @@ def _check_replaceable(final: Path) -> None:
         if other:
             raise FileExistsError(
                 f"--out {final} holds files a build does not write ({', '.join(other[:5])}); "
-                "refusing to replace it")
+                "refusing to replace it"
+            )
 
 
 def _publish(staging: Path, final: Path) -> None:
@@ -316,9 +326,9 @@ def build(
     log=print,
     spec: Spec | None = None,
 ) -> dict:
+    import tokenizers
     import torch
     import transformers
-    import tokenizers
     from transformers import AutoModelForCausalLM, GenerationConfig, LlamaForCausalLM
 
     if spec is None:
@@ -351,8 +361,10 @@ def build(
         train_ids = torch.tensor(encode_stream(tok, train_texts), dtype=torch.long)
         held_ids = encode_stream(tok, held_texts)
         t_data = time.time() - t_start
-        log(f"corpus: {len(train_files)} train / {len(held_files)} held-out files, "
-            f"{train_ids.numel()} train tokens, {len(held_ids)} held-out tokens ({t_data:.1f}s)")
+        log(
+            f"corpus: {len(train_files)} train / {len(held_files)} held-out files, "
+            f"{train_ids.numel()} train tokens, {len(held_ids)} held-out tokens ({t_data:.1f}s)"
+        )
 
         # ---- model
         torch.manual_seed(seed)
@@ -365,9 +377,14 @@ def build(
         decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
         no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
         opt = torch.optim.AdamW(
-            [{"params": decay, "weight_decay": spec.weight_decay},
-             {"params": no_decay, "weight_decay": 0.0}],
-            lr=spec.lr, betas=(0.9, 0.95), eps=1e-8, foreach=False,
+            [
+                {"params": decay, "weight_decay": spec.weight_decay},
+                {"params": no_decay, "weight_decay": 0.0},
+            ],
+            lr=spec.lr,
+            betas=(0.9, 0.95),
+            eps=1e-8,
+            foreach=False,
         )
 
         # ---- deterministic data order: non-overlapping windows, seeded shuffle
@@ -387,8 +404,10 @@ def build(
         for step in range(steps):
             if time.time() > deadline:
                 stopped_early = True
-                log(f"WARNING: wall-clock budget ({minutes} min) exhausted after {step} steps; "
-                    f"result is not the reproducible {steps}-step artifact")
+                log(
+                    f"WARNING: wall-clock budget ({minutes} min) exhausted after {step} steps; "
+                    f"result is not the reproducible {steps}-step artifact"
+                )
                 break
             if cursor + spec.batch_size > n_windows:
                 epoch += 1
@@ -410,8 +429,10 @@ def build(
             losses.append(loss.item())
             done = step + 1
             if step % 20 == 0 or step == steps - 1:
-                log(f"step {step:4d}  loss {losses[-1]:.4f}  lr {opt.param_groups[0]['lr']:.2e}  "
-                    f"{time.time() - t_train0:.0f}s")
+                log(
+                    f"step {step:4d}  loss {losses[-1]:.4f}  lr {opt.param_groups[0]['lr']:.2e}  "
+                    f"{time.time() - t_train0:.0f}s"
+                )
         train_seconds = time.time() - t_train0
 
         # ---- fp32 master-weight perplexity (before bf16 rounding)
@@ -419,7 +440,10 @@ def build(
 
         # ---- save in bfloat16
         model.generation_config = GenerationConfig(
-            bos_token_id=BOS_ID, eos_token_id=EOS_ID, pad_token_id=PAD_ID, do_sample=False,
+            bos_token_id=BOS_ID,
+            eos_token_id=EOS_ID,
+            pad_token_id=PAD_ID,
+            do_sample=False,
         )
         model.to(torch.bfloat16)
         model.save_pretrained(out, safe_serialization=True)
@@ -429,7 +453,9 @@ def build(
         # ---- evaluate the saved checkpoint (bf16 weights upcast to float32)
         reloaded = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
         ppl, eval_tokens = heldout_perplexity(reloaded, held_ids, L, spec.eval_windows)
-        eval_bytes = len(tok.decode(held_ids[1 : eval_tokens + 1], skip_special_tokens=True).encode())
+        eval_bytes = len(
+            tok.decode(held_ids[1 : eval_tokens + 1], skip_special_tokens=True).encode()
+        )
         samples = greedy_samples(reloaded, hf_tok, SAMPLE_PROMPTS, spec.sample_new_tokens)
         for s in samples:
             log(f"sample {s['prompt']!r} -> {s['completion']!r}")
@@ -444,7 +470,9 @@ def build(
             "bytes_on_disk": dir_bytes(out),
             "model_safetensors_bytes": weights.stat().st_size,
             "model_safetensors_sha256": hashlib.sha256(weights.read_bytes()).hexdigest(),
-            "tokenizer_json_sha256": hashlib.sha256((out / "tokenizer.json").read_bytes()).hexdigest(),
+            "tokenizer_json_sha256": hashlib.sha256(
+                (out / "tokenizer.json").read_bytes()
+            ).hexdigest(),
             "dtype_on_disk": "bfloat16",
             "training_steps": done,
             "planned_steps": steps,
@@ -464,7 +492,7 @@ def build(
                 "windows": min(spec.eval_windows, (len(held_ids) - 1) // L),
                 "seq_len": L,
                 "method": "first N non-overlapping (seq_len+1)-token windows of the "
-                          "concatenated <s> doc </s> stream of held-out files",
+                "concatenated <s> doc </s> stream of held-out files",
             },
             "corpus": {
                 "stdlib": str(root),
@@ -506,22 +534,45 @@ def main(argv: list[str] | None = None) -> int:
         description="Build kvguard's embedded default model (offline, deterministic).",
     )
     ap.add_argument("--out", required=True, type=Path, help="output directory")
-    ap.add_argument("--minutes", type=float, default=DEFAULT_MINUTES,
-                    help="wall-clock safety budget for training (default %(default)s)")
+    ap.add_argument(
+        "--minutes",
+        type=float,
+        default=DEFAULT_MINUTES,
+        help="wall-clock safety budget for training (default %(default)s)",
+    )
     ap.add_argument("--seed", type=int, default=DEFAULT_SEED)
-    ap.add_argument("--steps", type=int, default=None,
-                    help=f"optimizer steps (default {DEFAULT_STEPS}; 3 with --tiny); "
-                         "the step count, not time, defines the artifact")
+    ap.add_argument(
+        "--steps",
+        type=int,
+        default=None,
+        help=f"optimizer steps (default {DEFAULT_STEPS}; 3 with --tiny); "
+        "the step count, not time, defines the artifact",
+    )
     ap.add_argument("--threads", type=int, default=2, help="torch CPU threads (default 2)")
     ap.add_argument("--tiny", action="store_true", help="test-only tiny configuration")
     args = ap.parse_args(argv)
     steps = args.steps if args.steps is not None else (3 if args.tiny else DEFAULT_STEPS)
     argv_used = sys.argv[1:] if argv is None else argv
     command = "python -m kvguard.serve.default_model.build " + shlex.join(argv_used)
-    report = build(args.out, seed=args.seed, steps=steps, minutes=args.minutes,
-                   tiny=args.tiny, threads=args.threads, command=command)
-    summary = {k: report[k] for k in ("parameters", "bytes_on_disk", "training_steps",
-                                      "training_seconds", "heldout_perplexity")}
+    report = build(
+        args.out,
+        seed=args.seed,
+        steps=steps,
+        minutes=args.minutes,
+        tiny=args.tiny,
+        threads=args.threads,
+        command=command,
+    )
+    summary = {
+        k: report[k]
+        for k in (
+            "parameters",
+            "bytes_on_disk",
+            "training_steps",
+            "training_seconds",
+            "heldout_perplexity",
+        )
+    }
     print(json.dumps(summary))
     return 1 if report["stopped_early"] else 0
 
