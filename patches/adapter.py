@@ -81,3 +81,31 @@ def step_view(fb, batch, step: int) -> StepView | None:
         prefix_tokens=prefix_tokens,
         request_ids=[req.rid for req in batch.reqs],
     )
+
+
+class UnsupportedPoolError(RuntimeError):
+    """The scheduler's KV pool is of a kind the guard cannot model: refused at start, never served
+    unchecked."""
+
+
+# Pool kinds the guard models, by exact class name (a subclass may store more than these buffers,
+# e.g. FP4 scales or an index-key cache, so it is refused until it is modelled).
+_MHA_POOLS = ("MHATokenToKVPool",)
+_MLA_POOLS = ("MLATokenToKVPool",)
+
+
+def guarded_kv_buffers(pool) -> tuple[str, list[torch.Tensor]]:
+    """The pool's per-slot KV buffers by kind, every stored byte: MHA ``[k0, v0, k1, v1, ...]``
+    (``k_buffer``/``v_buffer``, one tensor per layer), MLA ``[latent0, latent1, ...]``
+    (``kv_buffer``: one compressed latent row per token and layer). Returns (kind, buffers)."""
+    name = type(pool).__name__
+    if name in _MHA_POOLS:
+        k, v = pool.k_buffer, pool.v_buffer
+        return "mha", [b for pair in zip(k, v) for b in pair]
+    if name in _MLA_POOLS:
+        return "mla", list(pool.kv_buffer)
+    known = ", ".join(_MHA_POOLS + _MLA_POOLS)
+    raise UnsupportedPoolError(
+        f"kvguard cannot guard the KV pool {name} (guarded pools: {known}); "
+        "run with --kvguard-mode off to serve this model without the guard"
+    )

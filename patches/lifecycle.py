@@ -8,6 +8,7 @@ import structlog
 from kvguard.config import GuardConfig
 from kvguard.guard import Guard
 from kvguard.patches import state
+from kvguard.patches.adapter import UnsupportedPoolError, guarded_kv_buffers
 from kvguard.patches.control import SGLangControl
 
 log = structlog.get_logger("kvguard")
@@ -18,14 +19,14 @@ def attach(result, scheduler, *args, **kwargs):
     config = GuardConfig.from_env()
     if not config.enabled:
         return result
-    runner = scheduler.tp_worker.model_runner
-    kv = runner.token_to_kv_pool
-    k_buf, v_buf = getattr(kv, "k_buffer", None), getattr(kv, "v_buffer", None)
-    if not isinstance(k_buf, list) or not isinstance(v_buf, list):
-        raise RuntimeError(
-            f"kvguard supports MHA KV pools with per-layer K/V buffers; got {type(kv).__name__}"
-        )
-    buffers = [b for pair in zip(k_buf, v_buf) for b in pair]
+    kv = scheduler.tp_worker.model_runner.token_to_kv_pool
+    try:
+        kind, buffers = guarded_kv_buffers(kv)
+    except UnsupportedPoolError as exc:
+        # One line, and the scheduler stops: SystemExit is not caught (and printed as a
+        # traceback) by SGLang's scheduler loop, and nothing is ever served unchecked.
+        log.error("kvguard_unsupported_pool", pool=type(kv).__name__, error=str(exc))
+        raise SystemExit(f"kvguard-serve: error: {exc}") from None
     table = scheduler.req_to_token_pool.req_to_token
     state.guard = Guard(
         config,
@@ -44,7 +45,8 @@ def attach(result, scheduler, *args, **kwargs):
         pid=__import__("os").getpid(),
         slots=buffers[0].shape[0],
         page_size=state.guard.ledger.page_size,
-        layers=len(k_buf),
+        pool=kind,
+        buffers=len(buffers),
     )
     return result
 
