@@ -9,7 +9,13 @@ import importlib
 
 from kvguard.config import GuardConfig
 from kvguard.logconfig import configure_from_env
-from kvguard.patches.targets import CANARY_TARGETS, GUARD_TARGETS, QUANT_TARGETS, TP_TARGETS
+from kvguard.patches.targets import (
+    CANARY_TARGETS,
+    GUARD_TARGETS,
+    MLA_TARGETS,
+    QUANT_TARGETS,
+    TP_TARGETS,
+)
 
 _registered = False
 
@@ -25,6 +31,7 @@ def load() -> None:
     rows = (GUARD_TARGETS if config.enabled else []) + QUANT_TARGETS  # features: any guard mode
     rows += CANARY_TARGETS  # SGLang's --kv-canary on CPU; no-ops elsewhere
     rows += TP_TARGETS  # --tp N on CPU; no-op with CUDA
+    rows += MLA_TARGETS  # MLA (DeepSeek-V3 / Kimi K2 architecture) on CPU torch_native
     for target, hook_type, hook_path, _why in rows:
         module_name, fn_name = hook_path.rsplit(".", 1)
         module = importlib.import_module(f"kvguard.patches.{module_name}")
