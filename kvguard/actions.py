@@ -1,5 +1,6 @@
-"""Actions: the only layer that reaches back into the engine. Given a step's violations it aborts
-the affected requests (through the engine adapter), quarantines pages, counts and logs."""
+"""Actions: the only layer that reaches back into the engine. Given a step's verdict it aborts
+the affected requests (through the engine adapter), quarantines pages whose content is bad, takes
+back pages freed while still validly read, counts and logs."""
 
 from __future__ import annotations
 
@@ -8,9 +9,9 @@ from typing import Protocol
 import structlog
 import torch
 
-from kvguard.ledger import PageLedger, PageState
+from kvguard.ledger import PageLedger
 from kvguard.metrics import GuardMetrics
-from kvguard.verdict import Violation
+from kvguard.verdict import Kind, Violation, new_violation_id
 
 log = structlog.get_logger("kvguard")
 
@@ -21,8 +22,7 @@ class EngineControl(Protocol):
     def abort(self, request_handle: object, violation: Violation) -> None: ...
 
     def withhold_pages(self, pages: torch.Tensor) -> int:
-        """Take pages out of the engine's free list (they are quarantined); returns how many
-        were there."""
+        """Take pages out of the engine's free list; returns how many were there."""
         ...
 
 
@@ -34,38 +34,53 @@ class Actions:
         self.history: list[Violation] = []  # recent violations, for tests and the debug endpoint
         self.num_violations = 0  # since start: the engine's own consistency checks may now trip
         self.num_quarantined_total = 0
+        self.num_reclaimed_total = 0
 
-    def apply(
-        self, violations: list[Violation], handles: list[object], bad_pages: torch.Tensor, step: int
-    ):
+    def abort(self, violations: list[Violation], handles: list[object]) -> None:
         for violation, handle in zip(violations, handles):
-            for kind in violation.kinds.names():
-                self.metrics.violations.labels(kind=kind).inc()
-            log.error("kv_integrity_violation", **violation.as_event())
+            self._record(violation)
             if handle is not None and self.engine is not None:
                 self.engine.abort(handle, violation)
                 self.metrics.requests_aborted.inc()
-            self.history.append(violation)
-            self.num_violations += 1
-        del self.history[:-256]
-        self.quarantine(bad_pages, step)
 
-    def quarantine(self, pages: torch.Tensor, step: int):
-        if pages.numel() == 0:
-            return
-        pages = torch.unique(pages.to(torch.int64))
+    def quarantine(self, pages: torch.Tensor, epochs: torch.Tensor, step: int) -> int:
+        """Withhold pages whose content was proven bad (unless handed out again since)."""
         pages = pages[pages > 0]  # page 0 is the engine's padding page
         if pages.numel() == 0:
-            return
-        new = pages[self.ledger.state[pages] != PageState.QUARANTINED]
+            return 0
+        new, were_free = self.ledger.quarantine(pages, epochs[pages], step)
         self.num_quarantined_total += int(new.numel())
-        self.ledger.quarantine(pages, step)
         self.metrics.pages_quarantined.inc(int(new.numel()))
-        if self.engine is not None:
-            # Pages the engine still holds are counted by it until it releases them;
-            # only pages taken out of its free list are the guard's to account for.
-            self.ledger.num_quarantined += self.engine.withhold_pages(new)
+        if self.engine is not None and were_free.numel():
+            # Pages the engine still holds are counted by it until it releases them (then the
+            # release withholds them); only pages taken out of its free list are ours to count.
+            self.ledger.num_quarantined += self.engine.withhold_pages(were_free)
+        return int(new.numel())
 
-    def engine_event(self, violation: Violation):
-        """A violation with no request to abort (e.g. a double free): count and log it."""
-        self.apply([violation], [None], torch.empty(0, dtype=torch.int64), violation.step)
+    def reclaim(self, pages: torch.Tensor, epochs: torch.Tensor, step: int) -> None:
+        """Pages freed while a reader still validly held them (caught before reuse): take them
+        back from the free list, so the reader's KV stays intact; report the engine bug."""
+        pages = pages[pages > 0]
+        if pages.numel() == 0:
+            return
+        back = self.ledger.reclaim(pages, epochs[pages], step)
+        if back.numel() == 0:
+            return
+        if self.engine is not None:
+            self.engine.withhold_pages(back)
+        self.num_reclaimed_total += int(back.numel())
+        self.engine_event(
+            Kind.PREMATURE_FREE, step, [self.ledger.describe(int(p)) for p in back[:8].tolist()]
+        )
+
+    def engine_event(self, kinds: Kind, step: int, pages: list[dict[str, object]]) -> None:
+        """A violation with no request to abort (double free, stale free, premature free)."""
+        self._record(Violation(new_violation_id(), kinds, step, None, None, pages))
+
+    def _record(self, violation: Violation) -> None:
+        for kind in violation.kinds.names():
+            self.metrics.violations.labels(kind=kind).inc()
+        log.error("kv_integrity_violation", **violation.as_event())
+        self.history.append(violation)
+        del self.history[:-256]
+        self.num_violations += 1

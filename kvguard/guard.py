@@ -1,26 +1,35 @@
-"""The guard: one object per KV pool that engine adapters feed with events.
+"""The guard: one object per KV pool, and the small interface engine adapters use.
 
-An adapter (``kvguard.patches`` for SGLang) calls, in engine order:
-``before_forward(view)`` -> the forward runs -> ``after_forward(view)``; later, at the sync that
-already follows the forward, ``resolve(verdict, handles)`` reads the verdict and acts. Pool events
-arrive as ``on_release`` (pages back to the free list), ``on_share`` (prefix cache took slots) and
-``on_rows_allocated`` (a page-table row handed to a new request).
+An adapter (``kvguard.patches`` for SGLang) calls, in engine order: ``before_forward(view)`` ->
+the forward runs -> ``after_forward(verdict)``; later, at the sync that already follows the
+forward, ``resolve(verdict, handles)`` reads the verdict and acts. Pool events arrive as
+``on_alloc`` (the allocator handed out slots), ``on_release`` (pages back to the free list;
+inside ``releasing(row)`` while a request is released, so a stale holder cannot free pages
+someone else now holds), ``on_share`` / ``on_rebind`` (the prefix cache took a row's pages or
+replaced them by its own) and ``on_rows_allocated`` (a page-table row handed to a new request).
+
+Data flows one way: engine event -> ledger (and records) -> checker -> verdict -> actions.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 import torch
 
 from kvguard.actions import Actions, EngineControl
-from kvguard.checker import StepChecker, StepVerdict
-from kvguard.config import GuardConfig
+from kvguard.checker import StepChecker
+from kvguard.config import GuardConfig, Mode
+from kvguard.kernels.backend import GuardKernels, select
 from kvguard.ledger import PageLedger, PageState
 from kvguard.metrics import GuardMetrics
 from kvguard.records import RowRecords
 from kvguard.step import StepView
-from kvguard.verdict import Kind, Violation, new_violation_id
+from kvguard.verdict import Kind, StepVerdict, Violation, forensic_record
+
+Agreement = Callable[[torch.Tensor], torch.Tensor]
 
 
 class Guard:
@@ -31,35 +40,37 @@ class Guard:
         num_slots: int,
         page_size: int,
         num_rows: int,
-        max_len: int,
         kv_buffers: list[torch.Tensor],
-        device,
+        device: torch.device | str,
         engine: EngineControl | None = None,
         metrics: GuardMetrics | None = None,
+        kernels: GuardKernels | str | None = None,
     ):
         self.config = config
-        self.ledger = PageLedger(num_slots, page_size, device)
-        self.records = RowRecords(num_rows, max_len, page_size, device)
+        self.device = torch.device(device)
+        k = kernels if kernels is not None and not isinstance(kernels, str) else None
+        self.kernels: GuardKernels = k or select(
+            self.device, kernels if isinstance(kernels, str) else None
+        )
+        self.ledger = PageLedger(num_slots, page_size, self.device, self.kernels)
+        self.records = RowRecords(num_rows, self.device)
         self.checker = StepChecker(self.ledger, self.records, config, kv_buffers)
+        self.kernels.bind(self.ledger.pages, self.records.rows, self.checker.kv_buffers)
         self.metrics = metrics or GuardMetrics.default()
         self.actions = Actions(self.ledger, self.metrics, engine)
         self.step = 0
         self.flush_wanted = (
             False  # a quarantine happened: the engine should drop its caches when idle
         )
-        self.releasing_row: int | None = (
-            None  # set by the adapter while it releases an aborted request
-        )
-        self._hashed_reported = 0
-        self._pending_taint = torch.zeros(
-            self.ledger.num_pages, dtype=torch.bool, device=self.ledger.device
-        )
-        self._double_freed = torch.zeros(
-            self.ledger.num_pages, dtype=torch.bool, device=self.ledger.device
-        )
+        self._release_row: int | None = None
+        self._double_freed: list[torch.Tensor] = []  # pages released twice, reported at resolve
+        self._stale_freed: list[torch.Tensor] = []  # pages a stale holder tried to free
         self._unresolved: StepVerdict | None = None  # the newest verdict not read yet
+        self.host_reads_free = self.device.type == "cpu"
+        self.metrics.state_bytes.set(self.state_bytes)
 
-    def set_mode(self, mode) -> None:
+    # -- configuration --------------------------------------------------------------------------------
+    def set_mode(self, mode: Mode | str) -> None:
         """Switch mode at run time (benchmarks interleave modes in one server). ``off`` here means
         installed but idle; a server started with mode off has no hooks at all."""
         self.config = self.config.with_(mode=mode)
@@ -69,246 +80,240 @@ class Guard:
     def active(self) -> bool:
         return self.config.enabled
 
-    # -- forward ------------------------------------------------------------------------------------
+    @property
+    def state_bytes(self) -> int:
+        """Device bytes of the guard's own state (ledger + records)."""
+        return self.ledger.nbytes() + self.records.nbytes()
+
+    # -- forward ----------------------------------------------------------------------------------------
     def before_forward(self, view: StepView) -> StepVerdict:
         t0 = time.perf_counter()
         self.step = view.step
         self.checker.escalated = (
             self.flush_wanted
         )  # a quarantine not yet flushed: verify every read
-        # Pages found bad between forwards (allocation) count as found in this step.
-        verdict = self.checker.before_forward(view, self._pending_taint)
-        self._pending_taint = torch.zeros_like(self._pending_taint)
+        x = self.checker.inputs(view)
+        check = self.checker.check(x, view.pad_slot)
+        self.ledger.apply_step(self.records, x, check)
+        verdict = StepVerdict(view=view, inputs=x, check=check)
+        if self.host_reads_free:
+            _, tainted, reclaim = check.flags()
+            if tainted or reclaim:
+                verdict.epochs = self._snapshot_epochs(check)
+        else:
+            verdict.epochs = self._snapshot_epochs(check)
         self._unresolved = verdict
         self.metrics.steps_checked.inc()
-        self.metrics.tokens_checked.inc(view.write_slots.numel())
+        self.metrics.tokens_checked.inc(len(view.prefix_lens_host) + view.write_slots.numel())
         self._account(t0)
         return verdict
 
-    def after_forward(self, view: StepView):
+    def after_forward(self, verdict: StepVerdict) -> None:
+        """Seal what the forward wrote (enqueued after its writes: no sync needed)."""
         t0 = time.perf_counter()
-        self.checker.after_forward(view)
+        self.ledger.seal(
+            verdict.inputs, verdict.check, self.checker.kv_buffers, self.config.checksums
+        )
         self._account(t0)
 
-    def resolve(self, verdict: StepVerdict, handles: list[object], agree=None) -> list[Violation]:
+    def _snapshot_epochs(self, check) -> torch.Tensor:  # type: ignore[no-untyped-def]
+        e = self.ledger.epoch
+        return torch.where(check.taint | check.reclaim, e, torch.full_like(e, -1))
+
+    def resolve(
+        self, verdict: StepVerdict, handles: list[object], agree: Agreement | None = None
+    ) -> list[Violation]:
         """Read a step's verdict (the caller has synced) and act on it. Returns the violations.
 
         ``agree(tensor) -> tensor``: with tensor parallelism each rank hashes its own KV heads, so
         verdicts can differ; the adapter passes an all-reduce (bitwise OR) over the ranks so that
-        every rank aborts and quarantines exactly the same things."""
+        every rank aborts, quarantines and reclaims exactly the same things."""
         t0 = time.perf_counter()
         if self._unresolved is verdict:
             self._unresolved = None
-        B = verdict.kinds.numel()
-        if (
-            agree is None
-            and self.checker.host_reads_free
-            and not (
-                bool(verdict.kinds.any())
-                or bool(verdict.taint.any())
-                or bool(self._double_freed.any())
-            )
-        ):
-            self._account(t0)
-            return []  # CPU, one rank, a clean step: nothing to gather
-        taint = verdict.taint
-        if verdict.taint_epoch is not None:
-            # The overlap scheduler reads a verdict a step late: a tainted page freed and handed
-            # out again meanwhile (re-claimed: new epoch; or allocated, about to be rewritten)
-            # belongs to a new owner and is not quarantined under it.
-            L = self.ledger
-            taint = taint & (L.epoch == verdict.taint_epoch) & (L.state != PageState.ALLOCATED)
-        summary = torch.cat(
-            (
-                verdict.kinds,
-                taint.to(torch.int64),
-                self._double_freed.any().to(torch.int64).reshape(1),
-            )
-        )
+        c = verdict.check
+        step = verdict.view.step
+        events = bool(self._double_freed or self._stale_freed)
+        if agree is None and not events:
+            flagged, tainted, reclaim = c.flags()
+            self.metrics.tokens_checksummed.inc(c.tokens_hashed())
+            if not (flagged or tainted or reclaim):
+                self._account(t0)
+                return []  # a clean step: nothing to gather
+        else:
+            self.metrics.tokens_checksummed.inc(c.tokens_hashed())
+        B = len(verdict.view.prefix_lens_host)
+        P = self.ledger.num_pages
+        kinds = c.kinds[:B].to(torch.int64)
+        # reclaim travels as its complement so that the OR makes it unanimous across ranks
+        summary = torch.cat((kinds, c.taint.to(torch.int64), (~c.reclaim).to(torch.int64)))
         if agree is not None:
             summary = agree(summary)
         summary = summary.cpu()
-        kinds, taint, any_double = summary[:B], summary[B:-1] > 0, bool(summary[-1])
-        if any_double:
-            self._report_double_free()
-        if not bool(kinds.any()) and not bool(taint.any()):
-            self._account(t0)
-            return []
-        bad_pages = torch.nonzero(taint).reshape(-1)
-        violations, bad_handles = [], []
+        kinds, taint, reclaim = summary[:B], summary[B : B + P] > 0, summary[B + P :] == 0
+        self._report_engine_events(step)
+        if verdict.epochs is None:  # CPU: nothing found locally, but another rank found something
+            verdict.epochs = self._snapshot_epochs(c)
+        epochs = verdict.epochs.cpu()
+        violations: list[Violation] = []
+        bad: list[object] = []
         for b in torch.nonzero(kinds).reshape(-1).tolist():
-            violations.append(self._forensics(verdict.view, b, Kind(int(kinds[b]))))
-            bad_handles.append(handles[b])
-        self.actions.apply(violations, bad_handles, bad_pages, verdict.view.step)
-        self.flush_wanted |= bad_pages.numel() > 0
+            violations.append(
+                forensic_record(verdict, b, Kind(int(kinds[b])), self.ledger, self.records)
+            )
+            bad.append(handles[b])
+        self.actions.abort(violations, bad)
+        quarantined = self.actions.quarantine(torch.nonzero(taint).reshape(-1), epochs, step)
+        self.actions.reclaim(torch.nonzero(reclaim).reshape(-1), epochs, step)
+        self.flush_wanted |= quarantined > 0
         self._account(t0)
         return violations
 
-    # -- pool events ----------------------------------------------------------------------------------
-    def on_release(self, pages: torch.Tensor) -> torch.Tensor:
-        """Pages go back to the engine's free list. Returns the pages that may really be reused:
-        a page already free is not pushed twice, a quarantined page is withheld, and while an
-        aborted request is released (``releasing_row``) only pages it owns privately go back."""
+    # -- pool events ------------------------------------------------------------------------------------
+    def on_alloc(self, slots: torch.Tensor) -> None:
+        """The engine's allocator handed out slots: its hand-out is authoritative."""
         t0 = time.perf_counter()
-        L = self.ledger
-        pages = pages.to(torch.int64)
-        st = L.state[pages]
-        keep = (st != PageState.FREE) & (st != PageState.QUARANTINED)
-        if self.releasing_row is not None:
-            keep &= (st == PageState.OWNED) & (L.owner_row[pages] == self.releasing_row)
-        self._double_freed.index_put_(
-            (pages,), st == PageState.FREE, accumulate=True
-        )  # read at resolve
-        if (
-            self.actions.num_quarantined_total
-        ):  # host int: no sync while nothing was ever quarantined
-            L.num_quarantined += int((st == PageState.QUARANTINED).sum())  # withheld from now on
-        pages = pages[keep]  # a sync on GPU, like the torch.unique SGLang's free already does
-        L.release(pages, self.step)
+        self.ledger.allocate(slots, self.step)
         self._account(t0)
-        return pages
 
+    @contextmanager
+    def releasing(self, row: int) -> Iterator[None]:
+        """While the request on ``row`` is released: frees are attributed to it."""
+        outer, self._release_row = self._release_row, row
+        try:
+            yield
+        finally:
+            self._release_row = outer
+
+    def attribute_free(self, pages: torch.Tensor) -> torch.Tensor:
+        """Inside ``releasing(row)``: [n] bool, which of these pages the releasing request may
+        free. A page someone else now holds (its claim, the prefix cache's, a new hand-out) is
+        kept from the free list: the releasing request is its stale holder."""
+        if self._release_row is None:
+            return torch.ones(pages.shape, dtype=torch.bool, device=pages.device)
+        t0 = time.perf_counter()
+        keep = self.ledger.attributable(self.records, pages, self._release_row)
+        if not bool(keep.all()):
+            self._stale_freed.append(pages[~keep].to(torch.int64))
+        self._account(t0)
+        return keep
+
+    def on_release(self, pages: torch.Tensor) -> torch.Tensor:
+        """Pages go back to the engine's free list. Returns the pages that really may be reused:
+        a double free is not pushed twice, a quarantined page is withheld."""
+        t0 = time.perf_counter()
+        pages = pages.to(torch.int64)
+        keep, double = self.ledger.release(pages, self.step)
+        if bool(double.any()):  # a sync on GPU, like the torch.unique SGLang's free already does
+            self._double_freed.append(pages[double])
+        withheld = self.ledger.state[pages] == PageState.QUARANTINED
+        if self.actions.num_quarantined_total:
+            self.ledger.num_quarantined += int(withheld.sum())
+        out = pages[keep]
+        self._account(t0)
+        return out
+
+    def on_share(self, slots: torch.Tensor, row: int) -> None:
+        """The prefix cache took row ``row``'s KV up to these slots: its own pages become shared."""
+        self.ledger.share(self.records, slots, row, self.step)
+
+    def on_rebind(
+        self, row: int, first_position: int, old_slots: torch.Tensor, new_slots: torch.Tensor
+    ) -> None:
+        """The prefix cache replaced the row's slots from ``first_position`` by its own copies."""
+        ps = self.ledger.page_size
+        start = -(-first_position // ps) * ps  # only whole pages move (inserts are page aligned)
+        skip = start - first_position
+        old, new = old_slots[skip::ps], new_slots[skip::ps]
+        if old.numel() == 0 or torch.equal(old, new):
+            return
+        self.records.rebind(
+            self.ledger,
+            row,
+            start // ps,
+            self.ledger.pages_of(old),
+            self.ledger.pages_of(new),
+            self.step,
+        )
+
+    def on_rows_allocated(self, rows: torch.Tensor) -> None:
+        """Rows handed to new requests: forget what their previous owners expected."""
+        self.records.reset_rows(rows)
+
+    def reset(self) -> None:
+        """The engine cleared its pool: every page free, no record, nothing quarantined."""
+        self.ledger.reset()
+        self.records.reset()
+        self.actions.num_quarantined_total = 0
+        self._double_freed.clear()
+        self._stale_freed.clear()
+
+    # -- questions the adapter may ask --------------------------------------------------------------------
     def unread_taint(self) -> bool:
         """Did the newest unread verdict find bad pages? (CPU only, like suspect_before_resolve.)"""
         v = self._unresolved
-        return v is not None and self.checker.host_reads_free and bool(v.taint.any())
+        return v is not None and self.host_reads_free and v.check.flags()[1]
 
-    def suspect_before_resolve(self, request_id=None, slots: torch.Tensor | None = None) -> bool:
+    def suspect_before_resolve(
+        self, request_id: str | None = None, slots: torch.Tensor | None = None
+    ) -> bool:
         """Was this request flagged, or does one of these slots sit in a page found bad, by a step
         whose verdict is not read yet? An overlap scheduler prepares the next step (prefix-cache
         inserts and hits) before it reads the last verdict. Answered where a host read is free
         (CPU); elsewhere False: the verdict is then acted on one step later."""
         v = self._unresolved
-        if v is None or not self.checker.host_reads_free:
+        if v is None or not self.host_reads_free:
             return False
-        if request_id is not None and v.view.request_ids and bool(v.kinds.any()):
-            if request_id in {rid for rid, k in zip(v.view.request_ids, v.kinds.tolist()) if k}:
+        flagged, tainted, _ = v.check.flags()
+        if request_id is not None and flagged and v.view.request_ids:
+            B = len(v.view.prefix_lens_host)
+            kinds = v.check.kinds[:B].tolist()
+            if any(rid == request_id and k for rid, k in zip(v.view.request_ids, kinds)):
                 return True
-        if slots is not None and bool(v.taint.any()):
-            pages = torch.div(slots.to(torch.int64), self.ledger.page_size, rounding_mode="floor")
-            return bool(v.taint[pages.to(v.taint.device)].any())
+        if slots is not None and tainted:
+            return bool(v.check.taint[self.ledger.pages_of(slots.to(self.device))].any())
         return False
 
     def holds_quarantined(self, slots: torch.Tensor) -> bool:
         """Slow path (only once something was quarantined): does this slot list touch one?"""
-        pages = torch.div(slots.to(torch.int64), self.ledger.page_size, rounding_mode="floor")
-        return bool(
-            (self.ledger.state[pages.to(self.ledger.device)] == PageState.QUARANTINED).any()
-        )
+        pages = self.ledger.pages_of(slots.to(self.device))
+        return bool((self.ledger.state[pages] == PageState.QUARANTINED).any())
 
     def private_pages(self, row: int) -> torch.Tensor:
-        """Pages the ledger says this row owns privately (slow path: aborted requests only)."""
-        L = self.ledger
-        return torch.nonzero((L.owner_row == row) & (L.state == PageState.OWNED)).reshape(-1)
-
-    def on_alloc(self, slots: torch.Tensor):
-        """The engine's allocator handed out slots. A page handed out while still held is
-        tainted: its holders and its new owner are aborted at their next forward."""
-        t0 = time.perf_counter()
-        self._pending_taint |= self.ledger.allocate(slots, self.step)
-        self._account(t0)
-
-    def on_share(self, slots: torch.Tensor):
-        self.ledger.share(slots, self.step)
-
-    def on_rows_allocated(self, rows: torch.Tensor):
-        """A row is reused by a new request: forget what its previous owner expected."""
-        rows = rows.to(torch.int64)
-        self.records.epoch[rows] = 0
-        self.records.chain[rows] = 0
-        self.records.sealed[rows] = False
-
-    def reset(self):
-        """The engine cleared its pool: every page free, no record, nothing quarantined."""
-        self.ledger.reset()
-        self.records.epoch.zero_()
-        self.records.chain.zero_()
-        self.records.sealed.zero_()
-        self.actions.num_quarantined_total = 0
+        """Pages the ledger says this row's request owns privately (slow path: aborted requests)."""
+        P = self.ledger.pages
+        gen = self.records.rows.gen[row]
+        mine = (P.owner == row) & (P.owner_gen == gen) & (P.state == PageState.OWNED)
+        return torch.nonzero(mine).reshape(-1)
 
     @property
     def num_quarantined_slots(self) -> int:
         return self.ledger.num_quarantined * self.ledger.page_size
 
-    def _report_double_free(self):
-        pages = torch.nonzero(self._double_freed).reshape(-1)
-        self._double_freed.zero_()
-        self.actions.engine_event(
-            Violation(
-                new_violation_id(),
-                Kind.DOUBLE_FREE,
-                self.step,
-                None,
-                None,
-                [self.ledger.describe(int(p)) for p in pages[:8].tolist()],
-            )
-        )
-
-    # -- internals --------------------------------------------------------------------------------------
-    def _account(self, t0: float):
-        self.metrics.check_seconds.inc(time.perf_counter() - t0)
-        hashed = self.checker.tokens_hashed
-        if hashed != self._hashed_reported:
-            self.metrics.tokens_checksummed.inc(hashed - self._hashed_reported)
-            self._hashed_reported = hashed
-
-    def _forensics(self, v: StepView, b: int, kinds: Kind) -> Violation:
-        """Slow path: name the suspect pages of request b, with expected vs found tags/digests."""
-        L, R, ps = self.ledger, self.records, self.ledger.page_size
-        row = int(v.rows[b])
-        n = int(v.prefix_lens[b])
-        mine = v.write_batch == b
-        slots = torch.cat(
-            (v.page_table[row, :n].to(torch.int64), v.write_slots[mine].to(torch.int64))
-        ).cpu()
-        pos = torch.cat((torch.arange(n), v.write_pos[mine].to(torch.int64).cpu()))
-        page = slots // ps
-        found = torch.zeros_like(slots)
-        if self.config.checksums and n:
-            found[:n] = self.checker._digests(slots[:n].to(L.device), pos[:n].to(L.device)).cpu()
-        exp_epoch = R.epoch[row, (pos // ps).to(L.device)].cpu()
-        exp_digest = R.digest[row, pos.to(L.device)].cpu()
-        reasons = {
-            "epoch": L.epoch[page.to(L.device)].cpu() != exp_epoch,
-            "state": ~torch.isin(
-                L.state[page.to(L.device)].cpu(),
-                torch.tensor(
-                    [int(PageState.OWNED), int(PageState.SHARED), int(PageState.ALLOCATED)]
-                ),
-            ),
-            "offset": (slots % ps) != (pos % ps),
-            "digest": (torch.arange(slots.numel()) < n) & (found != exp_digest)
-            if self.config.checksums
-            else torch.zeros_like(slots, dtype=torch.bool),
-            "quarantined": L.state[page.to(L.device)].cpu() == PageState.QUARANTINED,
+    def status(self) -> dict[str, object]:
+        """This guard as plain builtins (start-up handshake, /server_info)."""
+        return {
+            "mode": self.config.mode.value,
+            "sweep_tokens_per_step": self.config.sweep_tokens_per_step,
+            "tenant_isolation": self.config.tenant_isolation,
+            "page_size": self.ledger.page_size,
+            "num_pages": self.ledger.num_pages,
+            "kernels": self.kernels.name,
+            "state_bytes": self.state_bytes,
         }
-        write_kinds = (
-            Kind.OVERWRITE | Kind.DOUBLE_ALLOCATION | Kind.WRITE_TO_SHARED | Kind.TABLE_MISMATCH
-        )
-        if kinds & write_kinds:  # the write targets themselves are the evidence
-            reasons["write_target"] = torch.arange(slots.numel()) >= n
-        suspect = torch.zeros_like(slots, dtype=torch.bool)
-        for m in reasons.values():
-            suspect |= m
-        pages: dict[int, dict] = {}
-        for i in torch.nonzero(suspect).reshape(-1).tolist():
-            pg = int(page[i])
-            if pg not in pages:
-                if len(pages) >= 8:
-                    break
-                pages[pg] = {**L.describe(pg), "positions": []}
-            entry = pages[pg]["positions"]
-            if len(entry) < 8:
-                entry.append(
-                    {
-                        "position": int(pos[i]),
-                        "slot": int(slots[i]),
-                        "write": i >= n,
-                        "why": [k for k, m in reasons.items() if bool(m[i])],
-                        "expected_epoch": int(exp_epoch[i]),
-                        "expected_digest": int(exp_digest[i]),
-                        "found_digest": int(found[i]),
-                    }
+
+    # -- internals ----------------------------------------------------------------------------------------
+    def _report_engine_events(self, step: int) -> None:
+        for kind, pending in (
+            (Kind.DOUBLE_FREE, self._double_freed),
+            (Kind.STALE_FREE, self._stale_freed),
+        ):
+            if pending:
+                pages = torch.unique(torch.cat(pending)).cpu()
+                pending.clear()
+                self.actions.engine_event(
+                    kind, step, [self.ledger.describe(int(p)) for p in pages[:8].tolist()]
                 )
-        rid = v.request_ids[b] if v.request_ids else None
-        return Violation(new_violation_id(), kinds, v.step, rid, row, list(pages.values()))
+
+    def _account(self, t0: float) -> None:
+        self.metrics.check_seconds.inc(time.perf_counter() - t0)

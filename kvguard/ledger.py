@@ -1,141 +1,174 @@
-"""The page ledger: what the guard believes about every KV page and slot, as device tensors.
+"""The page ledger: what the guard believes about every KV page, as device tensors it owns.
 
-Per page: state, epoch (fresh per claim, so a stale reference never validates), the row that
-claimed it, its logical page index in that row, and a short event history for forensics.
-Per slot: written (sealed) bit, the token chain it was written under, and its first-seal digest
-(the prefix cache's record, handed to new readers). All updates are vectorized scatters on the
-pool's device; nothing here loops over pages in Python or reads a device value on the host.
+Per page (``kernels.guard_state.PageArrays``): state, the claim's epoch (fresh per claim, so a
+stale reference never validates), owner row and generation, logical page index, sealed-token
+count, token chain, digest of the sealed bytes, and a short event history for forensics. Every
+change is a transition method here, run by the selected kernel backend; the checker only reads.
+The state grows with the pool (72 bytes per page), never with rows x context.
 """
 
 from __future__ import annotations
 
-from enum import IntEnum
-
 import torch
 
+from kvguard.kernels import guard_ref
+from kvguard.kernels.backend import GuardKernels
+from kvguard.kernels.guard_ref import StepCheck, StepInputs
+from kvguard.kernels.guard_state import NO_ROW, Event, PageArrays, PageState
+from kvguard.records import RowRecords
 
-class PageState(IntEnum):
-    FREE = 0
-    OWNED = 1  # claimed by one request row
-    SHARED = 2  # held by the prefix cache; readers adopt it
-    QUARANTINED = 3  # suspect: never handed out again, any read is a violation
-    ALLOCATED = 4  # handed out by the engine's allocator, not yet written by a request
+__all__ = ["Event", "IntegrityError", "PageLedger", "PageState"]
 
 
-class Event(IntEnum):
-    ALLOC = 6
-    CLAIM = 1
-    SEAL = 2
-    SHARE = 3
-    FREE = 4
-    QUARANTINE = 5
+class IntegrityError(AssertionError):
+    """The ledger and the engine disagree about a page (``PageLedger.check_integrity``)."""
 
 
 class PageLedger:
-    HISTORY = 4  # events kept per page
-
-    def __init__(self, num_slots: int, page_size: int, device: torch.device | str):
+    def __init__(
+        self, num_slots: int, page_size: int, device: torch.device | str, kernels: GuardKernels
+    ):
+        if not 1 <= page_size <= 32767:
+            raise ValueError(f"page size {page_size} out of range 1..32767")
         self.page_size = page_size
         self.num_slots = num_slots  # including the padding slots SGLang reserves
         self.num_pages = (num_slots + page_size - 1) // page_size
         self.device = torch.device(device)
-        p, s, d = self.num_pages, num_slots, self.device
-        self.state = torch.zeros(p, dtype=torch.int8, device=d)
-        self.epoch = torch.zeros(p, dtype=torch.int64, device=d)
-        self.owner_row = torch.full((p,), -1, dtype=torch.int32, device=d)
-        self.lpage = torch.full((p,), -1, dtype=torch.int32, device=d)
-        # history[page, k] = step << 8 | event << 4 ... packed: (step, event, row) in one int64
-        self.history = torch.zeros(p, self.HISTORY, dtype=torch.int64, device=d)
-        self.written = torch.zeros(s, dtype=torch.bool, device=d)
-        self.chain = torch.zeros(s, dtype=torch.int64, device=d)
-        self.digest = torch.zeros(s, dtype=torch.int64, device=d)
-        self.num_quarantined = 0  # host count, changed only on the (host-side) verdict path
+        self.kernels = kernels
+        self.pages = PageArrays.empty(self.num_pages, self.device)
+        self.num_quarantined = 0  # host count of pages withheld from the engine's free list
 
-    # -- history -----------------------------------------------------------------------------
-    def record(self, pages: torch.Tensor, event: Event, step: int, rows: torch.Tensor | int = -1):
-        """Shift each page's history and push (step, event, row). Duplicate pages keep one entry."""
-        if pages.numel() == 0:
-            return
-        rows = torch.as_tensor(rows, device=self.device).to(torch.int64).expand(pages.shape)
-        packed = (step << 24) | (int(event) << 20) | (rows & 0xFFFFF)
-        self.history[pages] = torch.cat(
-            (packed[:, None], self.history[pages, : self.HISTORY - 1]), dim=1
+    # -- views ------------------------------------------------------------------------------------
+    @property
+    def state(self) -> torch.Tensor:
+        return self.pages.state
+
+    @property
+    def epoch(self) -> torch.Tensor:
+        return self.pages.epoch
+
+    def pages_of(self, slots: torch.Tensor) -> torch.Tensor:
+        return torch.div(slots.to(torch.int64), self.page_size, rounding_mode="floor")
+
+    def nbytes(self) -> int:
+        return self.pages.nbytes()
+
+    # -- transitions (engine events) ----------------------------------------------------------------
+    def allocate(self, slots: torch.Tensor, step: int) -> None:
+        """The allocator handed out these slots (pages starting at them are new hand-outs)."""
+        self.kernels.alloc_pages(self.pages, slots.to(self.device), self.page_size, step)
+
+    def release(self, pages: torch.Tensor, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Pages returned to the engine's free list: (which really go back, which are double
+        frees)."""
+        return self.kernels.release_pages(self.pages, pages.to(self.device), step)
+
+    def attributable(self, records: RowRecords, pages: torch.Tensor, row: int) -> torch.Tensor:
+        """Which of these pages a releasing row may free (not held by anyone else)."""
+        return guard_ref.attribute_free(self.pages, records.rows, pages.to(self.device), row)
+
+    def apply_step(self, records: RowRecords, x: StepInputs, check: StepCheck) -> None:
+        """Claims, page chains and the claiming and adopting rows' records (one fused
+        transition, after the check and before the forward)."""
+        self.kernels.apply_step(self.pages, records.rows, x, check, self.page_size)
+
+    def seal(
+        self, x: StepInputs, check: StepCheck, buffers: list[torch.Tensor], checksums: bool
+    ) -> torch.Tensor:
+        """After the forward: the tokens that landed are sealed (and hashed in checksum modes)."""
+        return self.kernels.seal_step(self.pages, x, check, buffers, self.page_size, checksums)
+
+    def share(self, records: RowRecords, slots: torch.Tensor, row: int, step: int) -> None:
+        guard_ref.share_pages(
+            self.pages, records.rows, self.pages_of(slots.to(self.device)), row, step
         )
 
-    def describe(self, page: int) -> dict:
-        """Host-side forensic snapshot of one page (slow path, violations only)."""
+    def quarantine(
+        self, pages: torch.Tensor, epochs: torch.Tensor, step: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        return guard_ref.quarantine_pages(self.pages, pages, epochs, step)
+
+    def reclaim(self, pages: torch.Tensor, epochs: torch.Tensor, step: int) -> torch.Tensor:
+        return guard_ref.reclaim_pages(self.pages, pages, epochs, step)
+
+    def reset(self) -> None:
+        """The engine cleared its pool (flush): every page free, nothing quarantined."""
+        fresh = PageArrays.empty(self.num_pages, self.device)
+        for mine, new in zip(self.pages.tensors(), fresh.tensors()):
+            mine.copy_(new)
+        self.num_quarantined = 0
+
+    def rebuild_free(self, held: torch.Tensor, step: int) -> torch.Tensor:
+        """Idle repair after contained engine bugs: every page the engine does not hold
+        (``held``: [num_pages] bool) and the guard has not quarantined is free. Returns them."""
+        st = self.pages.state
+        free = torch.nonzero(~held & (st != PageState.QUARANTINED)).reshape(-1)
+        newly = free[st[free] != PageState.FREE]
+        self.pages.prior[newly] = st[newly]
+        self.pages.state[newly] = PageState.FREE
+        guard_ref._push_history(self.pages, newly, Event.FREE, step, NO_ROW)
+        self.num_quarantined = int(((st == PageState.QUARANTINED) & ~held).sum())
+        return free
+
+    # -- forensics and self-checks --------------------------------------------------------------------
+    def describe(self, page: int) -> dict[str, object]:
+        """Host-side snapshot of one page (slow path: violations only)."""
+        P = self.pages
         hist = []
-        for v in self.history[page].tolist():
+        for v in P.history[page].tolist():
             if v == 0:
                 continue
-            row = v & 0xFFFFF
+            row = v & NO_ROW
             hist.append(
                 {
                     "step": v >> 24,
                     "event": Event((v >> 20) & 0xF).name.lower(),
-                    "row": None if row == 0xFFFFF else row,
+                    "row": None if row == NO_ROW else row,
                 }
             )
         return {
             "page": page,
-            "state": PageState(int(self.state[page])).name.lower(),
-            "epoch": int(self.epoch[page]),
-            "owner_row": int(self.owner_row[page]),
-            "logical_page": int(self.lpage[page]),
+            "state": PageState(int(P.state[page])).name.lower(),
+            "epoch": int(P.epoch[page]),
+            "owner_row": int(P.owner[page]),
+            "logical_page": int(P.lpage[page]),
+            "sealed_tokens": int(P.fill[page]),
             "history": hist,
         }
 
-    # -- transitions (engine events) ------------------------------------------------------------
-    def release(self, pages: torch.Tensor, step: int):
-        """Pages returned to the engine's free list (the guard already dropped double frees)."""
-        pages = pages.to(torch.int64)
-        self.state[pages] = PageState.FREE
-        self.owner_row[pages] = -1
-        slots = (
-            pages[:, None] * self.page_size + torch.arange(self.page_size, device=self.device)
-        ).reshape(-1)
-        self.written[slots] = False
-        self.record(pages, Event.FREE, step)
-
-    def allocate(self, slots: torch.Tensor, step: int) -> torch.Tensor:
-        """The allocator handed out these slots; pages starting at them are new. Returns a page
-        mask of pages handed out while still held (double allocation)."""
-        slots = slots.to(torch.int64)
-        first = (slots % self.page_size) == 0
-        held = torch.zeros(self.num_pages, dtype=torch.bool, device=self.device)
-        if self.device.type == "cpu":  # host reads are free: touch only the new pages
-            page = torch.div(slots[first], self.page_size, rounding_mode="floor")
-            busy = self.state[page] != PageState.FREE
-            self.state[page] = PageState.ALLOCATED
-            self.record(page, Event.ALLOC, step)
-            if bool(busy.any()):
-                held[page[busy]] = True
-            return held
-        page = torch.where(first, torch.div(slots, self.page_size, rounding_mode="floor"), 0)
-        st = self.state[page]
-        busy = first & (st != PageState.FREE)
-        self.state[page] = torch.where(first, torch.full_like(st, PageState.ALLOCATED), st)
-        self.record(page, Event.ALLOC, step)
-        held.index_put_((page,), busy, accumulate=True)
-        return held
-
-    def share(self, slots: torch.Tensor, step: int):
-        """The prefix cache took these slots' pages (radix insert)."""
-        pages = torch.div(slots.to(torch.int64), self.page_size, rounding_mode="floor")
-        owned = self.state[pages] == PageState.OWNED
-        self.state[pages] = torch.where(
-            owned, torch.full_like(self.state[pages], PageState.SHARED), self.state[pages]
-        )
-        self.record(pages, Event.SHARE, step)
-
-    def quarantine(self, pages: torch.Tensor, step: int):
-        pages = pages.to(torch.int64)
-        self.state[pages] = PageState.QUARANTINED
-        self.record(pages, Event.QUARANTINE, step)
-
-    def reset(self):
-        """The engine cleared its pool (flush): every page is free, nothing quarantined."""
-        self.state.zero_()
-        self.owner_row.fill_(-1)
-        self.written.zero_()
-        self.num_quarantined = 0
+    def check_integrity(self, free_pages: torch.Tensor, tree_pages: torch.Tensor) -> None:
+        """The ledger against the engine, when idle: every page in the engine's free list is
+        FREE here, every page its prefix cache holds is SHARED (or QUARANTINED), no page is both,
+        none is ALLOCATED or OWNED (no request runs), and the withheld count matches. Raises
+        ``IntegrityError`` with the numbers."""
+        st = self.pages.state.cpu()
+        free = torch.unique(free_pages.to(torch.int64).cpu())
+        tree = torch.unique(tree_pages.to(torch.int64).cpu())
+        problems = []
+        both = free[torch.isin(free, tree)]
+        if both.numel():
+            problems.append(f"{both.numel()} pages both free and cached (e.g. {both[:4].tolist()})")
+        bad_free = free[st[free] != PageState.FREE]
+        if bad_free.numel():
+            problems.append(
+                f"{bad_free.numel()} free pages not FREE in the ledger (e.g. {bad_free[:4].tolist()})"
+            )
+        tst = st[tree]
+        bad_tree = tree[(tst != PageState.SHARED) & (tst != PageState.QUARANTINED)]
+        if bad_tree.numel():
+            problems.append(
+                f"{bad_tree.numel()} cached pages not SHARED (e.g. {bad_tree[:4].tolist()})"
+            )
+        busy = torch.nonzero((st == PageState.OWNED) | (st == PageState.ALLOCATED)).reshape(-1)
+        busy = busy[busy > 0]
+        if busy.numel():
+            problems.append(
+                f"{busy.numel()} pages OWNED or ALLOCATED with no request running (e.g. {busy[:4].tolist()})"
+            )
+        quarantined = int((st == PageState.QUARANTINED).sum())
+        if quarantined < self.num_quarantined:
+            problems.append(
+                f"{self.num_quarantined} pages counted withheld but {quarantined} quarantined"
+            )
+        if problems:
+            raise IntegrityError("kvguard ledger disagrees with the engine: " + "; ".join(problems))

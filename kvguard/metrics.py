@@ -11,7 +11,7 @@ class GuardMetrics:
     def __init__(self, registry=None):
         # Imported here, not at module import: prometheus-client picks its (multiprocess) value
         # store when first imported, which must happen after SGLang set PROMETHEUS_MULTIPROC_DIR.
-        from prometheus_client import REGISTRY, Counter
+        from prometheus_client import REGISTRY, Counter, Gauge
 
         kw = dict(namespace="kvguard", registry=REGISTRY if registry is None else registry)
         self.steps_checked = Counter(
@@ -29,6 +29,15 @@ class GuardMetrics:
         self.requests_aborted = Counter("requests_aborted", "Requests aborted by the guard", **kw)
         self.pages_quarantined = Counter("pages_quarantined", "KV pages withheld from reuse", **kw)
         self.check_seconds = Counter("check_seconds", "Host time spent in guard hooks", **kw)
+        self.unchecked_forwards = Counter(
+            "unchecked_forwards", "Forwards that ran without the guard's check (must stay 0)", **kw
+        )
+        self.state_bytes = Gauge(
+            "state_bytes",
+            "Device bytes of the guard's own state (ledger + records), summed over schedulers",
+            multiprocess_mode="livesum",
+            **kw,
+        )
 
     @classmethod
     def default(cls) -> GuardMetrics:

@@ -1,22 +1,48 @@
-"""Reader-held records: what each request row expects of the KV it reads.
+"""Reader-held records: what each request row expects of the KV it holds.
 
-Like a ZFS block pointer, the expected epoch of each logical page and the expected digest and
-token chain of each position live with the reader (the request's row), never with the page, so
-whoever writes a page next cannot refresh them. Rows are SGLang's ``req_to_token`` rows.
+Like a ZFS block pointer, the expectation lives with the reader, never with the page, so whoever
+claims a page next cannot refresh it. Compactly: per row, the wrapping sum of
+``page_tag(epoch, logical index)`` over the pages it holds, their count, and the token chain it
+has written up to (``kernels.guard_state.RowArrays``: 24 bytes per row). Rows are SGLang's
+``req_to_token`` rows.
 """
 
 from __future__ import annotations
 
 import torch
 
+from kvguard.kernels import guard_ref
+from kvguard.kernels.guard_state import RowArrays
+
 
 class RowRecords:
-    def __init__(self, num_rows: int, max_len: int, page_size: int, device):
-        d = torch.device(device)
-        self.page_size = page_size
-        self.max_len = max_len
-        max_pages = (max_len + page_size - 1) // page_size
-        self.epoch = torch.zeros(num_rows, max_pages, dtype=torch.int64, device=d)
-        self.chain = torch.zeros(num_rows, max_len, dtype=torch.int64, device=d)
-        self.digest = torch.zeros(num_rows, max_len, dtype=torch.int64, device=d)
-        self.sealed = torch.zeros(num_rows, max_len, dtype=torch.bool, device=d)
+    def __init__(self, num_rows: int, device: torch.device | str):
+        self.num_rows = num_rows
+        self.device = torch.device(device)
+        self.rows = RowArrays.empty(num_rows, self.device)
+
+    def nbytes(self) -> int:
+        return self.rows.nbytes()
+
+    def reset_rows(self, rows: torch.Tensor) -> None:
+        """Rows handed to new requests: a new generation, nothing held."""
+        guard_ref.reset_rows(self.rows, rows.to(self.device))
+
+    def rebind(
+        self,
+        pages,  # kvguard.ledger.PageLedger (typed loosely: the ledger imports this module)
+        row: int,
+        first_lpage: int,
+        old_pages: torch.Tensor,
+        new_pages: torch.Tensor,
+        step: int,
+    ) -> None:
+        """The prefix cache replaced the row's own copies of some pages by its own."""
+        guard_ref.rebind_row(
+            pages.pages, self.rows, row, first_lpage, old_pages, new_pages, pages.page_size, step
+        )
+
+    def reset(self) -> None:
+        """The engine cleared its pool: no row holds anything (generations stay: they only grow)."""
+        for t in (self.rows.n_pages, self.rows.agg, self.rows.chain_len, self.rows.chain_tail):
+            t.zero_()

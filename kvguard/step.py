@@ -12,9 +12,13 @@ class StepView:
     step: int
     rows: torch.Tensor  # [B] int64: each request's page-table row
     prefix_lens: torch.Tensor  # [B] int64: positions already in the KV before this forward (read)
-    max_prefix_len: int  # host copy of max(prefix_lens), sizes the read grid without a sync
-    write_slots: torch.Tensor  # [N] int64: KV slots this forward writes (out_cache_loc)
-    write_batch: torch.Tensor  # [N] int64: request index (0..B-1) of each written token, ascending
+    prefix_lens_host: list[int]  # the same on the host (sizes the read check without a sync)
+    # [N] int64: the KV slots this forward writes. The engine's own tensor: the write firewall
+    # redirects a failing target to the padding slot in place, before the forward reads it.
+    write_slots: torch.Tensor
+    # [N] int64: request index (0..B-1) of each written token, ascending; None: one token per
+    # request in batch order (decode)
+    write_batch: torch.Tensor | None
     write_pos: torch.Tensor  # [N] int64: logical position of each written token
     write_tokens: torch.Tensor  # [N] int64: token id whose KV each slot receives
     page_table: torch.Tensor  # [R, S] the engine's req_to_token (slot per row and position)
@@ -23,3 +27,4 @@ class StepView:
     prefix_tokens: torch.Tensor | None = None
     tenant_seeds: torch.Tensor | None = None  # [B] int64 chain seeds when tenants are isolated
     request_ids: list[str] | None = None  # host ids, for forensic records only
+    pad_slot: int = 0  # a slot nobody reads: where the firewall sends a write that fails its check

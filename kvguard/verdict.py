@@ -1,4 +1,5 @@
-"""What the checker concludes: violation kinds (bit flags) and the forensic record of one violation."""
+"""What the checker concludes: violation kinds (bit flags), a step's verdict, and the forensic
+record of one violation."""
 
 from __future__ import annotations
 
@@ -6,27 +7,43 @@ import itertools
 import os
 from dataclasses import dataclass, field
 from enum import IntFlag
+from typing import TYPE_CHECKING
+
+import torch
+
+from kvguard.kernels.guard_ref import StepCheck, StepInputs
+
+if TYPE_CHECKING:
+    from kvguard.ledger import PageLedger
+    from kvguard.records import RowRecords
+    from kvguard.step import StepView
 
 
 class Kind(IntFlag):
-    """One bit per check; a request's verdict is the OR of the checks it failed."""
+    """One bit per check; a request's verdict is the OR of the checks it failed. The values are
+    the kernels' (``kernels.guard_ref``)."""
 
     TABLE_MISMATCH = 1 << 0  # write target is not the slot the request's page table names
-    MISPLACED_SLOT = 1 << 1  # slot offset inside its page disagrees with the logical position
-    DOUBLE_ALLOCATION = 1 << 2  # a page handed to a writer while another owner holds it
+    MISPLACED_SLOT = 1 << 1  # a slot's page or offset disagrees with the logical position
+    DOUBLE_ALLOCATION = 1 << 2  # a page claimed while another holds it, or twice in one step
     WRONG_OWNER = 1 << 3  # a page read or written is not (or no longer) the request's
     WRITE_TO_SHARED = 1 << 4  # a write into a page the prefix cache shares
     OVERWRITE = 1 << 5  # a write into a slot already written and sealed
     READ_UNWRITTEN = 1 << 6  # a read of a slot never written / sealed
     PREFIX_MISMATCH = 1 << 7  # a shared page's token chain differs from the reader's prefix
     CHECKSUM_MISMATCH = 1 << 8  # a sealed token's bytes changed since sealing
-    QUARANTINED_PAGE = 1 << 9  # a read of a page the guard quarantined
-    DOUBLE_FREE = 1 << 10  # a page released twice (engine-level, no request attached)
+    QUARANTINED_PAGE = 1 << 9  # a read of a page found bad (and not verified intact)
+    DOUBLE_FREE = 1 << 10  # engine event: a page released twice
     GUARD_ERROR = 1 << 11  # the guard itself failed on this step: nothing unchecked is served
+    ROW_MISMATCH = 1 << 12  # the request's positions or pages disagree with what its row holds
+    STALE_FREE = 1 << 13  # engine event: a request freed a page someone else now holds
+    PREMATURE_FREE = 1 << 14  # engine event: a page freed while still read (taken back)
 
     def names(self) -> list[str]:
-        return [k.name.lower() for k in Kind if k & self]
+        return [k.name.lower() for k in Kind if k & self and k.name]
 
+
+ENGINE_EVENTS = Kind.DOUBLE_FREE | Kind.STALE_FREE | Kind.PREMATURE_FREE
 
 _ids = itertools.count(1)
 
@@ -34,6 +51,18 @@ _ids = itertools.count(1)
 def new_violation_id() -> str:
     """Short, unique within the process; the pid tells schedulers (TP ranks) apart."""
     return f"kvg-{os.getpid():x}-{next(_ids):06d}"
+
+
+@dataclass(slots=True)
+class StepVerdict:
+    """One step's verdict, as device tensors until the engine's own post-forward sync."""
+
+    view: StepView
+    inputs: StepInputs
+    check: StepCheck
+    # epoch of each tainted or reclaimable page when the step was checked (-1 elsewhere; None:
+    # neither): a page handed out again before the verdict is read is the new owner's
+    epochs: torch.Tensor | None = None
 
 
 @dataclass(slots=True)
@@ -45,7 +74,7 @@ class Violation:
     step: int
     request: str | None  # engine request id; None for engine-level events (double free)
     row: int | None
-    pages: list[dict] = field(default_factory=list)  # per suspect page: expected vs found, history
+    pages: list[dict[str, object]] = field(default_factory=list)  # suspect pages, with history
 
     @property
     def message(self) -> str:
@@ -54,7 +83,7 @@ class Violation:
             "request aborted by kvguard before its output could be corrupted"
         )
 
-    def as_event(self) -> dict:
+    def as_event(self) -> dict[str, object]:
         return {
             "violation_id": self.id,
             "kinds": self.kinds.names(),
@@ -63,3 +92,52 @@ class Violation:
             "row": self.row,
             "pages": self.pages,
         }
+
+
+def forensic_record(
+    verdict: StepVerdict, b: int, kinds: Kind, ledger: PageLedger, records: RowRecords
+) -> Violation:
+    """Slow path: name request b's suspect pages (read or written), with what the ledger holds
+    and why each one is suspect."""
+    v, c, ps = verdict.view, verdict.check, ledger.page_size
+    P = ledger.pages
+    row = int(v.rows[b])
+    n = v.prefix_lens_host[b]
+    gen = int(records.rows.gen[row])
+    suspects: dict[int, dict[str, object]] = {}
+
+    def note(page: int, why: str, **extra: object) -> None:
+        if page not in suspects and len(suspects) >= 8:
+            return
+        entry = suspects.setdefault(page, {**ledger.describe(page), "why": []})
+        reasons = entry["why"]
+        assert isinstance(reasons, list)
+        if why not in reasons:
+            reasons.append(why)
+        entry.update(extra)
+
+    heads = v.page_table[row, :n:ps].to(torch.int64).cpu().tolist() if n else []
+    for i, head in enumerate(heads):
+        pg = head // ps
+        st, owner, og = int(P.state[pg]), int(P.owner[pg]), int(P.owner_gen[pg])
+        if head % ps or int(P.lpage[pg]) != i:
+            note(pg, "misplaced", logical_page=i)
+        if st == 1 and (owner != row or og != gen):
+            note(pg, "owned_by_another_row", logical_page=i)
+        if st in (0, 4):
+            note(pg, "freed" if st == 0 else "handed_out_again", logical_page=i)
+        if st == 3:
+            note(pg, "quarantined", logical_page=i)
+        if int(P.fill[pg]) < min(ps, n - i * ps):
+            note(pg, "unsealed_tokens", logical_page=i)
+        if bool(c.taint[pg]):
+            note(pg, "content_bad", logical_page=i)
+    mine = torch.nonzero(verdict.inputs.batch_index().cpu() == b).reshape(-1)
+    for j in mine.tolist():
+        if not bool(c.write_ok[j]):
+            note(int(c.targets[j]) // ps, "write_refused", write_position=int(v.write_pos[j]))
+    if not suspects and heads:  # only the row's page-tag sum disagrees: a page was swapped
+        for i, head in enumerate(heads[:8]):
+            note(head // ps, "row_tags_disagree", logical_page=i)
+    rid = v.request_ids[b] if v.request_ids else None
+    return Violation(new_violation_id(), kinds, v.step, rid, row, list(suspects.values()))

@@ -1,0 +1,275 @@
+"""A synthetic paged KV pool driven the way an engine drives the guard, with no engine.
+
+One helper for the guard's unit tests, the kernel-equivalence tests and ``bench.step``: an
+allocator (a free list of pages), page-table rows, a prefix cache of shared pages, and a
+"forward" that writes each token's KV bytes as a function of (token, position), so identical
+prefixes hold identical bytes. Every engine event reaches the guard through its public interface
+(``on_alloc``, ``before_forward``, ``after_forward``, ``resolve``, ``releasing``/``on_release``,
+``on_share``, ``on_rows_allocated``), in the order SGLang makes them. Corruptions are made the
+way engine bugs make them: through the page table, the allocator, the prefix cache or the bytes,
+never through the guard's state.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+import structlog
+import torch
+
+from kvguard.config import GuardConfig
+from kvguard.guard import Guard
+from kvguard.metrics import GuardMetrics
+from kvguard.step import StepView
+from kvguard.verdict import StepVerdict, Violation
+
+structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.CRITICAL))
+_metrics: GuardMetrics | None = None
+
+
+def _quiet_metrics() -> GuardMetrics:
+    global _metrics
+    if _metrics is None:
+        from prometheus_client import CollectorRegistry
+
+        _metrics = GuardMetrics(registry=CollectorRegistry())
+    return _metrics
+
+
+@dataclass
+class Request:
+    rid: str
+    row: int
+    tokens: list[int]  # prompt + generated so far (the KV of tokens[:length] is written)
+    length: int = 0  # positions whose KV is in the pool
+    pages: list[int] = field(default_factory=list)  # physical page per logical page
+    aborted: bool = False
+    tenant_seed: int = 0
+
+
+class _Engine:
+    """The synthetic engine's side of the guard's actions."""
+
+    def __init__(self, pool: SyntheticPool):
+        self.pool = pool
+
+    def abort(self, request_handle: object, violation: Violation) -> None:
+        if isinstance(request_handle, Request):
+            request_handle.aborted = True
+
+    def withhold_pages(self, pages: torch.Tensor) -> int:
+        drop = set(pages.tolist())
+        before = len(self.pool.free_pages)
+        self.pool.free_pages = [p for p in self.pool.free_pages if p not in drop]
+        return before - len(self.pool.free_pages)
+
+
+class SyntheticPool:
+    def __init__(
+        self,
+        *,
+        page_size: int = 16,
+        num_pages: int = 256,
+        num_rows: int = 32,
+        max_len: int = 512,
+        mode: str = "paranoid",
+        kernels: str | None = None,
+        layers: int = 2,
+        row_bytes: int = 16,
+        sweep_tokens_per_step: int = 1024,
+        seed: int = 0,
+    ):
+        self.ps = page_size
+        self.num_pages = num_pages
+        self.num_slots = num_pages * page_size
+        g = torch.Generator().manual_seed(seed)
+        self.bufs = [
+            torch.randint(
+                0, 255, (self.num_slots, 2, row_bytes // 2), dtype=torch.uint8, generator=g
+            )
+            for _ in range(2 * layers)
+        ]
+        self.table = torch.zeros(num_rows, max_len, dtype=torch.int32)
+        config = GuardConfig(mode=mode, sweep_tokens_per_step=sweep_tokens_per_step)
+        self.guard = Guard(
+            config,
+            num_slots=self.num_slots,
+            page_size=page_size,
+            num_rows=num_rows,
+            kv_buffers=self.bufs,
+            device="cpu",
+            metrics=_quiet_metrics(),
+            kernels=kernels,
+            engine=_Engine(self),
+        )
+        self.free_pages = list(range(1, num_pages))  # page 0: the engine's padding page
+        self.free_rows = list(range(1, num_rows))  # row 0: padding
+        self.step = 0
+        self.next_alloc: list[int] = []  # pages a buggy allocator hands out next
+        self.violations: list[Violation] = []
+        self.trace: list[dict[str, torch.Tensor]] | None = None  # snapshots after each forward
+        self._n = 0
+
+    # -- requests ---------------------------------------------------------------------------------------
+    def admit(
+        self,
+        tokens: list[int],
+        prefix: Request | None = None,
+        prefix_pages: int = 0,
+        tenant_seed: int = 0,
+    ) -> Request:
+        row = self.free_rows.pop(0)
+        self._n += 1
+        req = Request(rid=f"r{self._n}", row=row, tokens=list(tokens), tenant_seed=tenant_seed)
+        self.guard.on_rows_allocated(torch.tensor([row]))
+        if prefix is not None and prefix_pages:  # a prefix-cache hit on prefix's shared pages
+            req.pages = prefix.pages[:prefix_pages]
+            n = prefix_pages * self.ps
+            self.table[row, :n] = self.table[prefix.row, :n]
+            req.length = n
+        return req
+
+    def _take_page(self) -> int:
+        if self.next_alloc:
+            return self.next_alloc.pop(0)
+        return self.free_pages.pop(0)
+
+    def forward(
+        self,
+        reqs: list[Request],
+        new_tokens: int | list[int] = 1,
+        prefix_hit: bool | None = None,
+        redirect: dict[tuple[str, int], int] | None = None,
+    ) -> StepVerdict:
+        """One forward: each request writes its next ``new_tokens`` tokens (an extend step when
+        more than one, or when a request's first forward, else decode). ``redirect`` maps
+        (request id, position) to a slot the engine wrongly writes (and records in the table)
+        instead of the one it allocated."""
+        ps = self.ps
+        counts = [new_tokens] * len(reqs) if isinstance(new_tokens, int) else list(new_tokens)
+        live = [(r, n) for r, n in zip(reqs, counts) if not r.aborted]  # aborted: out of the batch
+        reqs, counts = [r for r, _ in live], [n for _, n in live]
+        redirect = redirect or {}
+        slots_all, pos_all, tok_all, batch_all, fresh = [], [], [], [], []
+        for b, (r, n) in enumerate(zip(reqs, counts)):
+            for p in range(r.length, r.length + n):
+                if (r.rid, p) in redirect:
+                    slot = redirect[(r.rid, p)]
+                    if p % ps == 0:
+                        r.pages.append(slot // ps)
+                else:
+                    if p % ps == 0:
+                        page = self._take_page()
+                        r.pages.append(page)
+                        fresh.append(page * ps)
+                    slot = r.pages[p // ps] * ps + p % ps
+                self.table[r.row, p] = slot
+                slots_all.append(slot)
+                pos_all.append(p)
+                tok_all.append(r.tokens[p])
+                batch_all.append(b)
+        self.step += 1
+        if fresh:
+            self.guard.on_alloc(torch.tensor(fresh, dtype=torch.int64))
+        extend = (
+            prefix_hit
+            if prefix_hit is not None
+            else any(n > 1 or r.length == 0 for r, n in zip(reqs, counts))
+        )
+        prefix_tokens = None
+        if extend:
+            flat = [t for r in reqs for t in r.tokens[: r.length]]
+            prefix_tokens = torch.tensor(flat, dtype=torch.int64)
+        view = StepView(
+            step=self.step,
+            rows=torch.tensor([r.row for r in reqs], dtype=torch.int64),
+            prefix_lens=torch.tensor([r.length for r in reqs], dtype=torch.int64),
+            prefix_lens_host=[r.length for r in reqs],
+            write_slots=torch.tensor(slots_all, dtype=torch.int64),
+            write_batch=torch.tensor(batch_all, dtype=torch.int64),
+            write_pos=torch.tensor(pos_all, dtype=torch.int64),
+            write_tokens=torch.tensor(tok_all, dtype=torch.int64),
+            page_table=self.table,
+            prefix_tokens=prefix_tokens,
+            tenant_seeds=torch.tensor([r.tenant_seed for r in reqs], dtype=torch.int64),
+            request_ids=[r.rid for r in reqs],
+        )
+        verdict = self.guard.before_forward(view)
+        self.write_kv(view.write_slots, view.write_tokens, view.write_pos)  # after the firewall
+        self.guard.after_forward(verdict)
+        if self.trace is not None:
+            self.trace.append(self.snapshot(verdict))
+        violations = self.guard.resolve(verdict, handles=list(reqs))
+        self.violations += violations
+        for v in violations:
+            for r in reqs:
+                if r.rid == v.request:
+                    r.aborted = True
+        for r, n in zip(reqs, counts):
+            r.length += n
+        return verdict
+
+    def write_kv(self, slots: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor) -> None:
+        """The forward's KV writes: bytes a function of (token, position, buffer)."""
+        for i, b in enumerate(self.bufs):
+            val = ((tokens * 31 + positions * 7 + i * 13) % 251).to(torch.uint8)
+            b[slots] = val[:, None, None].expand(-1, b.shape[1], b.shape[2]) + torch.arange(
+                b.shape[2], dtype=torch.uint8
+            )
+
+    def share(self, req: Request, num_pages: int | None = None) -> None:
+        """The prefix cache takes the request's first (full) pages."""
+        n = len(req.pages) if num_pages is None else num_pages
+        n = min(n, req.length // self.ps)
+        if n:
+            self.guard.on_share(self.table[req.row, : n * self.ps].to(torch.int64), req.row)
+
+    def release(self, req: Request, keep_pages: int = 0) -> list[int]:
+        """The request finishes: its private pages (beyond the first ``keep_pages``, which the
+        prefix cache holds) go back to the free list, attributed to its row."""
+        pages = torch.tensor(req.pages[keep_pages:], dtype=torch.int64)
+        with self.guard.releasing(req.row):
+            pages = pages[self.guard.attribute_free(pages)]
+            back = self.guard.on_release(pages).tolist()
+        self.free_pages.extend(back)
+        self.free_rows.append(req.row)
+        return back
+
+    def evict(self, pages: list[int]) -> list[int]:
+        """The prefix cache (or a buggy free) returns pages with no request attributed."""
+        back = self.guard.on_release(torch.tensor(pages, dtype=torch.int64)).tolist()
+        self.free_pages.extend(back)
+        return back
+
+    def snapshot(self, verdict: StepVerdict) -> dict[str, torch.Tensor]:
+        """Everything a backend decides or changes in one step, for backend comparisons."""
+        c = verdict.check
+        out = {
+            "kinds": c.kinds.clone(), "taint": c.taint.clone(), "reclaim": c.reclaim.clone(),
+            "write_ok": c.write_ok.clone(), "firewalled": verdict.view.write_slots.clone(),
+        }  # fmt: skip
+        P, R = self.guard.ledger.pages, self.guard.records.rows
+        for name, t in zip(
+            (
+                "state",
+                "prior",
+                "fill",
+                "owner",
+                "owner_gen",
+                "lpage",
+                "epoch",
+                "chain",
+                "digest",
+                "history",
+            ),
+            P.tensors(),
+        ):
+            out["page." + name] = t.clone()
+        for name, t in zip(("gen", "n_pages", "agg", "chain_len", "chain_tail"), R.tensors()):
+            out["row." + name] = t.clone()
+        out["kv"] = torch.stack([b.sum(dtype=torch.int64) for b in self.bufs])
+        return out
+
+    def flagged(self) -> set[str]:
+        return {v.request for v in self.violations if v.request is not None}

@@ -1,0 +1,110 @@
+"""Which implementation runs the guard's kernels: one interface, three backends.
+
+* ``torch``: ``guard_ref``, the executable specification; runs anywhere.
+* ``cpu``: the compiled C kernels (``guard_cpu``), for CPU pools.
+* ``triton``: the Triton kernels (``guard_triton``), for CUDA pools.
+
+``select(device)`` picks the fastest one available for the pool's device; ``KVGUARD_KERNELS``
+(``auto``, ``torch``, ``cpu``, ``triton``) forces one. Every backend leaves the same state and
+verdicts as the reference (``tests/test_guard_kernels.py``).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Protocol
+
+import torch
+
+from . import guard_ref
+from .guard_ref import CheckParams, StepCheck, StepInputs
+from .guard_state import PageArrays, RowArrays
+
+
+class GuardKernels(Protocol):
+    name: str
+
+    def bind(self, P: PageArrays, R: RowArrays, buffers: list[torch.Tensor]) -> None:
+        """The pool this backend serves (compiled backends keep its addresses)."""
+
+    def check_step(
+        self,
+        P: PageArrays,
+        R: RowArrays,
+        x: StepInputs,
+        cp: CheckParams,
+        buffers: list[torch.Tensor],
+    ) -> StepCheck: ...
+
+    def apply_step(
+        self, P: PageArrays, R: RowArrays, x: StepInputs, c: StepCheck, page_size: int
+    ) -> None: ...
+
+    def seal_step(
+        self,
+        P: PageArrays,
+        x: StepInputs,
+        c: StepCheck,
+        buffers: list[torch.Tensor],
+        page_size: int,
+        checksums: bool,
+    ) -> torch.Tensor: ...
+
+    def alloc_pages(
+        self, P: PageArrays, slots: torch.Tensor, page_size: int, step: int
+    ) -> None: ...
+
+    def release_pages(
+        self, P: PageArrays, pages: torch.Tensor, step: int
+    ) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+
+class TorchKernels:
+    """The reference, as a backend."""
+
+    name = "torch"
+
+    def bind(self, P: PageArrays, R: RowArrays, buffers: list[torch.Tensor]) -> None:
+        pass
+
+    check_step = staticmethod(guard_ref.check_step)
+    apply_step = staticmethod(guard_ref.apply_step)
+    seal_step = staticmethod(guard_ref.seal_step)
+    alloc_pages = staticmethod(guard_ref.alloc_pages)
+    release_pages = staticmethod(guard_ref.release_pages)
+
+
+class KernelsUnavailableError(RuntimeError):
+    pass
+
+
+def select(device: torch.device | str, prefer: str | None = None) -> GuardKernels:
+    """The kernels for a pool on ``device``: ``prefer`` (or ``KVGUARD_KERNELS``) if given and
+    available, else the compiled backend for the device, else the reference."""
+    want = (prefer or os.environ.get("KVGUARD_KERNELS") or "auto").lower()
+    dev = torch.device(device)
+    if want not in ("auto", "torch", "cpu", "triton"):
+        raise KernelsUnavailableError(
+            f"KVGUARD_KERNELS={want!r}: choose auto, torch, cpu or triton"
+        )
+    if want == "torch":
+        return TorchKernels()
+    if want in ("auto", "cpu") and dev.type == "cpu":
+        try:
+            from .guard_cpu import CpuKernels
+
+            return CpuKernels()
+        except ImportError as exc:
+            if want == "cpu":
+                raise KernelsUnavailableError(f"compiled CPU kernels not available: {exc}") from exc
+    if want in ("auto", "triton") and dev.type == "cuda":
+        try:
+            from .guard_triton import TritonKernels
+
+            return TritonKernels()
+        except ImportError as exc:
+            if want == "triton":
+                raise KernelsUnavailableError(f"Triton kernels not available: {exc}") from exc
+    if want in ("cpu", "triton"):
+        raise KernelsUnavailableError(f"{want} kernels do not run on a {dev.type} pool")
+    return TorchKernels()

@@ -1,0 +1,280 @@
+"""The compiled CPU backend: ``_guard_cpu`` (``csrc/guard_cpu.c``) behind the kernel interface.
+
+The C kernels read and write the ledger's tensors in place by address, so the hot path
+dispatches no torch operator: one C call each for the allocation event, the step check, its
+transitions and the seal. Each step's outputs live in one of two reusable workspaces (the overlap
+scheduler checks step N + 1 before it reads step N's verdict); ``StepCheck`` fields are torch
+views of them, made only when something reads them (a violation, a test).
+"""
+
+from __future__ import annotations
+
+from array import array
+
+import torch
+
+from . import _guard_cpu as C  # built by setup.sh / pip install (setuptools ext-modules)
+from .guard_ref import CheckParams, StepCheck, StepInputs
+from .guard_state import PageArrays, RowArrays
+from .kv_checksum_ref import _row_word_views, word_constants
+
+_I64 = torch.int64
+
+
+def _ptr(t: torch.Tensor | None) -> int:
+    return 0 if t is None else t.data_ptr()
+
+
+def _need(t: torch.Tensor, dtype: torch.dtype, what: str) -> torch.Tensor:
+    if t.device.type != "cpu":
+        raise ValueError(f"{what} must be on the CPU for the compiled CPU kernels")
+    if t.dtype != dtype:
+        t = t.to(dtype)
+    return t if t.is_contiguous() else t.contiguous()
+
+
+class _Context:
+    """The addresses of one pool's ledger, rows and KV buffers, packed once for the C side."""
+
+    def __init__(self, P: PageArrays, R: RowArrays, buffers: list[torch.Tensor]):
+        self.P, self.R = P, R
+        self.buffers = buffers
+        views = _row_word_views(buffers) if buffers else []
+        self.wmax = max((v.shape[1] for v in views), default=0)
+        self.consts = word_constants(len(views), max(self.wmax, 1)).contiguous()
+        desc = []
+        for v in views:  # slot-major buffers (page_stride 0)
+            desc += [v.data_ptr(), v.stride(0) * 4, 0, 1, v.shape[1]]
+        self.desc = array("q", desc or [0])
+        pa = [
+            P.state,
+            P.prior,
+            P.fill,
+            P.owner,
+            P.owner_gen,
+            P.lpage,
+            P.epoch,
+            P.chain,
+            P.digest,
+            P.history,
+        ]
+        ra = [R.gen, R.n_pages, R.agg, R.chain_len, R.chain_tail]
+        for t in pa + ra:
+            assert t.is_contiguous() and t.device.type == "cpu"
+        addr = self.desc.buffer_info()[0]
+        self.ctx = array(
+            "q",
+            [t.data_ptr() for t in pa]
+            + [P.state.numel()]
+            + [t.data_ptr() for t in ra]
+            + [addr, len(views), self.consts.data_ptr(), self.wmax],
+        )
+        self.addr = self.ctx.buffer_info()[0]
+
+    def matches(self, P: PageArrays, R: RowArrays, buffers: list[torch.Tensor]) -> bool:
+        return P is self.P and R is self.R and buffers is self.buffers
+
+
+class _Workspace:
+    """Reusable outputs of one step check, grown when a step is larger than any before."""
+
+    def __init__(self, num_pages: int):
+        self.taint = torch.zeros(num_pages, dtype=torch.bool)
+        self.reclaim = torch.zeros(num_pages, dtype=torch.bool)
+        self.marks = torch.zeros(1 + 4096, dtype=_I64)
+        self.b = self.n = self.s = -1
+        self._grow(64, 256, 1024)
+
+    def _grow(self, b: int, n: int, s: int) -> None:
+        if b > self.b:
+            self.b = b
+            self.kinds = torch.zeros(b, dtype=_I64)
+            self.n_pages = torch.zeros(b, dtype=torch.int32)
+            self.agg = torch.zeros(b, dtype=_I64)
+            self.chain_len = torch.zeros(b, dtype=torch.int32)
+            self.chain_tail = torch.zeros(b, dtype=_I64)
+        if n > self.n:
+            self.n = n
+            self.targets = torch.zeros(n, dtype=_I64)
+            self.write_ok = torch.zeros(n, dtype=torch.bool)
+            self.claim = torch.zeros(n, dtype=torch.bool)
+            self.write_chain = torch.zeros(n, dtype=_I64)
+        if s > self.s:
+            self.s = s
+            self.scratch = torch.zeros(s, dtype=_I64)
+        outs = [
+            self.kinds,
+            self.taint,
+            self.reclaim,
+            self.targets,
+            self.write_ok,
+            self.claim,
+            self.write_chain,
+            self.n_pages,
+            self.agg,
+            self.chain_len,
+            self.chain_tail,
+            self.marks,
+        ]
+        self.out = array(
+            "q", [t.data_ptr() for t in outs] + [self.marks.numel() - 1, self.scratch.data_ptr()]
+        )
+        self.out_addr = self.out.buffer_info()[0]
+
+    def fit(self, b: int, n: int, t: int) -> None:
+        s = 2 * t + b + 1
+        if b > self.b or n > self.n or s > self.s:
+            self._grow(
+                max(b, 2 * self.b) if b > self.b else self.b,
+                max(n, 2 * self.n) if n > self.n else self.n,
+                max(s, 2 * self.s) if s > self.s else self.s,
+            )
+
+
+class CpuStepCheck(StepCheck):
+    """A ``StepCheck`` whose tensors are views of a workspace (valid until the workspace is
+    reused two steps later) and whose flags came back from C as host values."""
+
+    def __init__(self, ws: _Workspace, b: int, n: int, flags: tuple[int, int, int, int]):
+        self.ws, self._b, self._n = ws, b, n
+        self._flags = (bool(flags[0]), bool(flags[1]), bool(flags[2]))
+        self._hashed = int(flags[3])
+        self.sealed_hashed = 0
+
+    # the reference's fields, as views (slow path only)
+    kinds = property(lambda s: s.ws.kinds[: s._b])  # type: ignore[assignment]
+    taint = property(lambda s: s.ws.taint)  # type: ignore[assignment]
+    reclaim = property(lambda s: s.ws.reclaim)  # type: ignore[assignment]
+    targets = property(lambda s: s.ws.targets[: s._n])  # type: ignore[assignment]
+    write_ok = property(lambda s: s.ws.write_ok[: s._n])  # type: ignore[assignment]
+    claim = property(lambda s: s.ws.claim[: s._n])  # type: ignore[assignment]
+    write_chain = property(lambda s: s.ws.write_chain[: s._n])  # type: ignore[assignment]
+    n_pages = property(lambda s: s.ws.n_pages[: s._b])  # type: ignore[assignment]
+    agg = property(lambda s: s.ws.agg[: s._b])  # type: ignore[assignment]
+    chain_len = property(lambda s: s.ws.chain_len[: s._b])  # type: ignore[assignment]
+    chain_tail = property(lambda s: s.ws.chain_tail[: s._b])  # type: ignore[assignment]
+    hashed = property(lambda s: torch.tensor([s._hashed]))  # type: ignore[assignment]
+
+    def flags(self) -> tuple[bool, bool, bool]:
+        return self._flags
+
+    def tokens_hashed(self) -> int:
+        return self._hashed + self.sealed_hashed
+
+
+class CpuKernels:
+    name = "cpu"
+
+    def __init__(self) -> None:
+        self._ctx: _Context | None = None
+        self._ws: list[_Workspace] = []
+        self._turn = 0
+
+    def bind(self, P: PageArrays, R: RowArrays, buffers: list[torch.Tensor]) -> None:
+        self._ctx = _Context(P, R, buffers)
+        self._ws = [_Workspace(P.state.numel()), _Workspace(P.state.numel())]
+
+    def _context(self, P: PageArrays, R: RowArrays, buffers: list[torch.Tensor]) -> _Context:
+        if self._ctx is None or not self._ctx.matches(P, R, buffers):
+            self.bind(P, R, buffers)
+        assert self._ctx is not None
+        return self._ctx
+
+    def check_step(
+        self,
+        P: PageArrays,
+        R: RowArrays,
+        x: StepInputs,
+        cp: CheckParams,
+        buffers: list[torch.Tensor],
+    ) -> StepCheck:
+        ctx = self._context(P, R, buffers)
+        B, N, T = x.rows.numel(), x.write_slots.numel(), x.read_pages_total
+        if N >= 1 << 24:
+            raise ValueError("more than 2**24 - 1 KV writes in one step")
+        ws = self._ws[self._turn]
+        self._turn ^= 1
+        ws.fit(max(B, 1), max(N, 1), T)
+        rows = _need(x.rows, _I64, "rows")
+        lens = x.prefix_lens_host if x.prefix_lens_host is not None else x.prefix_lens.tolist()
+        host_lens = array("q", lens)
+        wslots = x.write_slots
+        if wslots.dtype != _I64 or not wslots.is_contiguous():
+            raise ValueError(
+                "write slots must be a contiguous int64 tensor (the firewall writes it)"
+            )
+        wb = None if x.write_batch is None else _need(x.write_batch, _I64, "write batch")
+        wpos = _need(x.write_pos, _I64, "write positions")
+        wtok = _need(x.write_tokens, _I64, "write tokens")
+        pt = x.page_table
+        if pt.dtype != torch.int32 or pt.stride(1) != 1:
+            raise ValueError("page table must be int32 with contiguous rows")
+        seeds = None if x.seeds is None else _need(x.seeds, _I64, "seeds")
+        ptok = None if x.prefix_tokens is None else _need(x.prefix_tokens, _I64, "prefix tokens")
+        flags = C.check_step(
+            ctx.addr, x.step, B, rows.data_ptr(), host_lens.buffer_info()[0], N, wslots.data_ptr(),
+            _ptr(wb), wpos.data_ptr(), wtok.data_ptr(), pt.data_ptr(), pt.stride(0), pt.shape[1],
+            _ptr(seeds), 0 if ptok is None else (ptok.data_ptr() or 1), cp.page_size,
+            int(cp.checksums), int(cp.verify_all), cp.window_start, cp.window_pages,
+            cp.sweep_start, cp.sweep_pages, cp.pad_slot, ws.out_addr,
+        )  # fmt: skip
+        check = CpuStepCheck(ws, B, N, flags)
+        check._keep = (rows, wb, wpos, wtok, seeds, ptok, host_lens)  # alive for apply and seal
+        return check
+
+    def apply_step(
+        self, P: PageArrays, R: RowArrays, x: StepInputs, c: StepCheck, page_size: int
+    ) -> None:
+        assert isinstance(c, CpuStepCheck) and self._ctx is not None
+        ctx = self._ctx
+        rows, wb, wpos = c._keep[0], c._keep[1], c._keep[2]
+        C.apply_step(ctx.addr, x.step, c._b, rows.data_ptr(), c._n, _ptr(wb), wpos.data_ptr(),
+                     page_size, c.ws.out_addr)  # fmt: skip
+
+    def seal_step(
+        self,
+        P: PageArrays,
+        x: StepInputs,
+        c: StepCheck,
+        buffers: list[torch.Tensor],
+        page_size: int,
+        checksums: bool,
+    ) -> torch.Tensor:
+        assert isinstance(c, CpuStepCheck)
+        ctx = self._ctx
+        assert ctx is not None
+        n = C.seal_step(
+            ctx.addr, c._n, c._keep[2].data_ptr(), page_size, int(checksums), c.ws.out_addr
+        )
+        c.sealed_hashed = n
+        return c.hashed  # not on the hot path: tokens_hashed() reads the host count
+
+    def alloc_pages(self, P: PageArrays, slots: torch.Tensor, page_size: int, step: int) -> None:
+        ctx = self._ctx_for(P)
+        s = _need(slots, _I64, "slots")
+        C.alloc_pages(ctx.addr, s.data_ptr(), s.numel(), page_size, step)
+
+    def release_pages(
+        self, P: PageArrays, pages: torch.Tensor, step: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        ctx = self._ctx_for(P)
+        p = _need(pages, _I64, "pages")
+        keep = torch.empty(p.numel(), dtype=torch.bool)
+        double = torch.empty(p.numel(), dtype=torch.bool)
+        C.release_pages(ctx.addr, p.data_ptr(), p.numel(), step, keep.data_ptr(), double.data_ptr())
+        return keep, double
+
+    def token_digests(
+        self, buffers: list[torch.Tensor], slots: torch.Tensor, positions: torch.Tensor
+    ) -> torch.Tensor:
+        """The checksum alone (benchmarks and the equivalence test)."""
+        ctx = _Context(PageArrays.empty(1, "cpu"), RowArrays.empty(1, "cpu"), buffers)
+        s, p = _need(slots, _I64, "slots"), _need(positions, _I64, "positions")
+        out = torch.empty(s.numel(), dtype=_I64)
+        C.token_digests(ctx.addr, s.data_ptr(), p.data_ptr(), s.numel(), out.data_ptr())
+        return out
+
+    def _ctx_for(self, P: PageArrays) -> _Context:
+        if self._ctx is None or self._ctx.P is not P:
+            raise RuntimeError("CpuKernels.bind(pages, rows, buffers) must come first")
+        return self._ctx
