@@ -392,3 +392,23 @@ SGLANG_NAMES = [
     ("sglang.srt.distributed.parallel_state.init_model_parallel_group.use_pynccl", "parameter", "cpu_tensor_parallel", "no PyNccl without CUDA"),
 ]
 # fmt: on
+
+# MLA models (DeepSeek-V2/V3 architecture: Kimi K2, ...) on CPU with torch_native attention.
+# Registered whatever the guard mode: serving features. Each hook changes only the torch_native
+# backend / the CPU rope factory, and calls SGLang's code unchanged otherwise.
+MLA_TARGETS = [
+    (
+        "sglang.srt.models.deepseek_common.attention_backend_handler.AttentionBackendRegistry.get_handler",
+        "AROUND",
+        "mla_cpu.around_get_handler",
+        "no torch_native handler: Triton's sends prefill to the MHA path (ragged K/V), while "
+        "torch_native reads latent rows from the pool; answer with the absorbed-MLA method",
+    ),
+    (
+        "sglang.srt.layers.rotary_embedding.factory.get_rope_cpu",
+        "AROUND",
+        "mla_cpu.around_get_rope_cpu",
+        "the CPU rope factory asserts deepseek_yarn; other ropes (none, default, ...) go to "
+        "SGLang's generic get_rope (forward_native on CPU)",
+    ),
+]
