@@ -20,92 +20,37 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
-import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
 import aiohttp
-import requests
 
-from kvguard.serve.child import free_port, kvguard_serve_command
+from kvguard.serve.child import ServeProcess
 
 MODES = ["off", "tags", "sampled", "paranoid"]
 
 
-class Server:
-    def __init__(self, mode: str, args: list[str], workdir: Path, mode_file: Path | None):
-        self.mode, self.args, self.workdir = mode, args, workdir
-        self.env = {k: v for k, v in os.environ.items() if not k.startswith("KVGUARD_")}
-        if mode_file is not None:
-            self.env["KVGUARD_MODE_FILE"] = str(mode_file)
-        self.start()
+def start_server(mode: str, args: list[str], workdir: Path, mode_file: Path | None) -> ServeProcess:
+    """A healthy kvguard-serve started in ``mode``; with ``mode_file``, its mode follows that
+    file's content between rounds (``KVGUARD_MODE_FILE``)."""
+    env = {"KVGUARD_MODE_FILE": str(mode_file)} if mode_file is not None else {}
+    srv = ServeProcess(["--kvguard-mode", mode, *args], workdir / f"server-{mode}.log", env)
+    srv.start(timeout_s=600)
+    return srv
 
-    def start(self):
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log = open(self.workdir / f"server-{self.mode}.log", "w")
-        cmd = kvguard_serve_command()
-        self.proc = subprocess.Popen(
-            cmd
-            + [
-                "--kvguard-mode",
-                self.mode,
-                "--port",
-                str(self.port),
-                "--host",
-                "127.0.0.1",
-                *self.args,
-            ],
-            stdout=self.log,
-            stderr=subprocess.STDOUT,
-            env=self.env,
-            start_new_session=True,
-        )
 
-    def wait(self, timeout: float = 600, retries: int = 3):
-        t0 = time.time()
-        while time.time() - t0 < timeout:
-            if self.proc.poll() is not None:
-                self.log.close()
-                if retries and "address already in use" in Path(self.log.name).read_text(
-                    errors="replace"
-                ):
-                    self.start()  # another process took the free port first: pick another
-                    return self.wait(timeout, retries - 1)
-                raise RuntimeError(f"server exited ({self.proc.returncode}); see {self.log.name}")
-            try:
-                if requests.get(f"{self.url}/health", timeout=2).status_code == 200:
-                    return
-            except requests.RequestException:
-                pass
-            time.sleep(1)
-        raise TimeoutError(f"server not ready in {timeout}s")
-
-    def guard_counters(self) -> tuple[float, float]:
-        """(kvguard_check_seconds_total, kvguard_steps_checked_total) summed over schedulers."""
-        text = requests.get(f"{self.url}/metrics", timeout=30).text
-        vals = {"kvguard_check_seconds_total": 0.0, "kvguard_steps_checked_total": 0.0}
-        for line in text.splitlines():
-            name = line.split("{")[0].split(" ")[0]
-            if name in vals:
-                vals[name] += float(line.rsplit(" ", 1)[1])
-        return vals["kvguard_check_seconds_total"], vals["kvguard_steps_checked_total"]
-
-    def flush(self):
-        requests.post(f"{self.url}/flush_cache", timeout=30)
-
-    def stop(self):
-        self.proc.terminate()
-        try:
-            self.proc.wait(60)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-        self.log.close()
+def guard_counters(srv: ServeProcess) -> tuple[float, float]:
+    """(kvguard_check_seconds_total, kvguard_steps_checked_total) summed over schedulers."""
+    totals = srv.metric_totals()
+    return (
+        totals.get("kvguard_check_seconds_total", 0.0),
+        totals.get("kvguard_steps_checked_total", 0.0),
+    )
 
 
 async def _stream(session, url, prompt, max_new_tokens):
@@ -134,7 +79,7 @@ async def run_round(url, prompts, max_new_tokens):
         streams = await asyncio.gather(*[_stream(session, url, p, max_new_tokens) for p in prompts])
         wall = time.perf_counter() - t0
     tokens = sum(len(s) for s in streams)
-    itl = [b - a for s in streams for a, b in zip(s, s[1:])]
+    itl = [b - a for s in streams for a, b in itertools.pairwise(s)]
     return {"tokens": tokens, "seconds": wall, "itl": itl}
 
 
@@ -179,10 +124,10 @@ def main(argv=None):
     results = {m: [] for m in ["no hooks"] + MODES}
 
     def measure(srv, mode, r):
-        srv.flush()  # every round starts from an empty prefix cache (and a reset ledger)
-        before = srv.guard_counters()
+        srv.flush_cache()  # every round starts from an empty prefix cache (and a reset ledger)
+        before = guard_counters(srv)
         res = asyncio.run(run_round(srv.url, prompts, a.max_new_tokens))
-        after = srv.guard_counters()
+        after = guard_counters(srv)
         # Host time inside guard hooks during this round, as a share of the round's wall time:
         # the scheduler is one thread, so this is what the guard adds to its steps.
         res["guard_seconds"], res["guard_steps"] = after[0] - before[0], after[1] - before[1]
@@ -195,9 +140,8 @@ def main(argv=None):
             flush=True,
         )
 
-    base = Server("off", extra, work, None)
+    base = start_server("off", extra, work, None)
     try:
-        base.wait()
         asyncio.run(run_round(base.url, prompts[:4], 8))  # warm-up: first-touch costs out
         for r in range(a.rounds):
             measure(base, "no hooks", r)
@@ -205,9 +149,8 @@ def main(argv=None):
         base.stop()
     mode_file = work / "mode"
     mode_file.write_text("off")
-    guarded = Server("sampled", extra, work, mode_file)
+    guarded = start_server("sampled", extra, work, mode_file)
     try:
-        guarded.wait()
         asyncio.run(run_round(guarded.url, prompts[:4], 8))
         for r in range(a.rounds):
             for i in range(len(MODES)):

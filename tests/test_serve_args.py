@@ -8,8 +8,9 @@ import subprocess
 import sys
 import textwrap
 
-from test_serve_http import free_port
 from tiny_model import tiny_random_llama
+
+from kvguard.serve.child import free_port
 
 SCRIPT = textwrap.dedent("""
     import json, os, sys

@@ -4,11 +4,9 @@ process; then a clean SIGTERM shutdown. Bad input must end in one line, before S
 
 from __future__ import annotations
 
-import os
 import signal
 import socket
 import subprocess
-import time
 from pathlib import Path
 
 import psutil
@@ -17,27 +15,26 @@ import requests
 from tiny_model import serving_model, tiny_random_llama
 
 from kvguard.fuzz.oracle import read_jsonl
-from kvguard.serve.child import free_port
-from kvguard.serve.child import kvguard_serve_command as kvguard_serve
+from kvguard.serve.child import ServeProcess, clean_env, free_port, kvguard_serve_command
 
-START_TIMEOUT_S = 240  # ~40 s on an idle 2-core machine; generous for a loaded one
-
-
-def clean_env() -> dict:
-    drop = ("KVGUARD_", "PROMETHEUS_MULTIPROC_DIR", "SGLANG_PLUGINS")
-    return {k: v for k, v in os.environ.items() if not k.startswith(drop)}
+SERVER_ARGS = [
+    "--page-size",
+    "16",
+    "--max-total-tokens",
+    "1024",
+    "--kvguard-mode",
+    "sampled",
+    "--log-format",
+    "json",
+]
 
 
 class Server:
-    def __init__(self, proc: subprocess.Popen, port: int, log: Path, model: Path, is_default: bool):
-        self.proc, self.port, self.log, self.model, self.is_default = (
-            proc,
-            port,
-            log,
-            model,
-            is_default,
-        )
-        self.url = f"http://127.0.0.1:{port}"
+    """A live kvguard-serve (``srv``) and the model it serves."""
+
+    def __init__(self, srv: ServeProcess, model: Path, is_default: bool):
+        self.srv, self.model, self.is_default = srv, model, is_default
+        self.proc, self.url, self.log = srv.proc, srv.url, srv.log
 
     def events(self) -> list[dict]:
         """kvguard's structured log lines (--log-format json) from every process of the server."""
@@ -57,59 +54,36 @@ class Server:
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
+def live_server(serve_processes):
+    """The module's server, started on first use and again after a test stopped it (the SIGTERM
+    test does): so no test depends on the order the tests run in."""
     model, is_default = serving_model()
-    port = free_port()
-    log = tmp_path_factory.mktemp("serve") / "server.log"
-    args = kvguard_serve() + [
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
-        "--page-size",
-        "16",
-        "--max-total-tokens",
-        "1024",
-        "--kvguard-mode",
-        "sampled",
-        "--log-format",
-        "json",
-    ]
+    args = list(SERVER_ARGS)
     if not is_default:  # the default model is what kvguard-serve starts without --model-path
         args += ["--model-path", str(model)]
-    with open(log, "wb") as out:
-        proc = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, env=clean_env())
-    srv = Server(proc, port, log, model, is_default)
-    deadline = time.monotonic() + START_TIMEOUT_S
-    while True:
-        if proc.poll() is not None:
-            tail = log.read_text()[-4000:]
-            pytest.fail(f"kvguard-serve exited with {proc.returncode} during start-up:\n{tail}")
-        try:
-            if requests.get(f"{srv.url}/health", timeout=5).status_code == 200:
-                break
-        except requests.ConnectionError:
-            pass
-        if time.monotonic() > deadline:
-            proc.kill()
-            pytest.fail(
-                f"kvguard-serve not healthy after {START_TIMEOUT_S} s:\n{log.read_text()[-4000:]}"
-            )
-        time.sleep(1)
-    yield srv
-    if proc.poll() is None:  # test_sigterm_stops_everything did not run or failed
-        for p in psutil.Process(proc.pid).children(recursive=True):
-            p.kill()
-        proc.kill()
-        proc.wait(30)
+    current: list[Server] = []
+
+    def get() -> Server:
+        if not current or not current[-1].srv.running():
+            current.append(Server(serve_processes(args), model, is_default))
+        return current[-1]
+
+    return get
 
 
+@pytest.fixture
+def server(live_server) -> Server:
+    return live_server()
+
+
+@pytest.mark.engine
 def test_generate(server):
     out = server.generate("def add(a, b):", 8)
     assert isinstance(out["text"], str)
     assert out["meta_info"]["completion_tokens"] == 8
 
 
+@pytest.mark.engine
 def test_openai_completions(server):
     r = requests.post(
         f"{server.url}/v1/completions",
@@ -129,6 +103,7 @@ def test_openai_completions(server):
     assert body["usage"]["completion_tokens"] == 5
 
 
+@pytest.mark.engine
 def test_metrics_include_guard_and_sglang_series(server):
     server.generate("class A:\n    def ", 4)
     text = requests.get(f"{server.url}/metrics", timeout=30).text
@@ -146,6 +121,7 @@ def test_metrics_include_guard_and_sglang_series(server):
     ]
 
 
+@pytest.mark.engine
 def test_guard_runs_in_scheduler_process(server):
     info = requests.get(f"{server.url}/server_info", timeout=30).json()
     status = info["kvguard"]  # reported by the scheduler's start-up handshake
@@ -164,6 +140,7 @@ def test_guard_runs_in_scheduler_process(server):
         assert Path(info["model_path"]) == server.model
 
 
+@pytest.mark.engine
 def test_sigterm_stops_everything(server):
     children = psutil.Process(server.proc.pid).children(recursive=True)
     assert children
@@ -177,7 +154,7 @@ def test_sigterm_stops_everything(server):
 # -- bad input: one line on stderr, exit 2, SGLang never started ---------------------------------
 def run_cli(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
     return subprocess.run(
-        kvguard_serve() + list(args),
+        kvguard_serve_command() + list(args),
         capture_output=True,
         text=True,
         timeout=120,
