@@ -1,16 +1,17 @@
 """Shared by the FP8-KV and INT4 tests: a tiny *trained* Llama (so greedy decoding is not a coin
-flip on flat logits), an SGLang CPU engine factory, and a Hugging Face greedy reference."""
+flip on flat logits), an SGLang CPU engine (``cpu_engine.py``) at their settings, and a Hugging
+Face greedy reference."""
 
 from __future__ import annotations
 
 import hashlib
-import os
 import shutil
 import tempfile
 from contextlib import contextmanager
 from pathlib import Path
 
 import torch
+from cpu_engine import cpu_engine
 
 TINY_STEPS = 60
 PROMPTS = (
@@ -53,36 +54,9 @@ def prompt_ids(model_dir: Path) -> list[list[int]]:
 @contextmanager
 def sglang_engine(model_dir: Path, guard_mode: str = "off", **kw):
     """An SGLang CPU engine (torch_native attention, page 16); ``kw`` adds Engine arguments."""
-    env = {
-        "SGLANG_USE_CPU_ENGINE": "1",
-        "KVGUARD_MODE": guard_mode,
-        "SGLANG_CACHE_DIR": os.path.join(tempfile.gettempdir(), "kvguard-sglang-cache"),
-    }
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    import sglang as sgl
-
-    args = dict(
-        model_path=str(model_dir),
-        device="cpu",
-        attention_backend="torch_native",
-        disable_cuda_graph=True,
-        max_total_tokens=2048,
-        page_size=16,
-        skip_server_warmup=True,
-        log_level="warning",
-    )
-    args.update(kw)
-    engine = sgl.Engine(**args)
-    try:
+    args = dict(max_total_tokens=2048, page_size=16)
+    with cpu_engine(model_dir, {"KVGUARD_MODE": guard_mode}, **{**args, **kw}) as engine:
         yield engine
-    finally:
-        engine.shutdown()
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
 
 
 def sglang_greedy(engine, ids: list[list[int]], n: int) -> list[dict]:

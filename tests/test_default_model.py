@@ -54,7 +54,7 @@ def test_ensure_default_model_files(ckpt):
 
 def test_ensure_default_model_missing(tmp_path, monkeypatch):
     monkeypatch.setattr(dm, "DEFAULT_MODEL_DIR", tmp_path / "nope")
-    with pytest.raises(dm.DefaultModelMissingError, match="model.safetensors"):
+    with pytest.raises(dm.DefaultModelMissingError, match=r"model\.safetensors"):
         dm.ensure_default_model()
     with pytest.raises(FileNotFoundError):
         dm.ensure_default_model()
@@ -194,6 +194,6 @@ def test_build_is_deterministic_tiny(tmp_path):
 
 def test_build_refuses_foreign_out_dir(tmp_path):
     (tmp_path / "notes.txt").write_text("not a model")
-    with pytest.raises(FileExistsError, match="notes.txt"):
+    with pytest.raises(FileExistsError, match=r"notes\.txt"):
         B.build(tmp_path, tiny=True, steps=1, log=lambda *a: None)
     assert (tmp_path / "notes.txt").read_text() == "not a model"

@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import random
+from contextlib import contextmanager
+from pathlib import Path
 
 import pytest
+from cpu_engine import cpu_engine
 from tiny_model import serving_model
 
 CLASSES = [
@@ -25,6 +27,8 @@ CLASSES = [
     "table_swap",
     "bit_flip",
 ]
+pytestmark = pytest.mark.engine  # every test here runs a live engine
+
 SAMPLING = {"temperature": 0, "max_new_tokens": 40, "ignore_eos": True}
 
 
@@ -43,33 +47,10 @@ def workload(n: int, seed: int = 0) -> list[str]:
 
 
 class GuardedEngine:
-    def __init__(self, tmp, page_size: int, mode: str = "paranoid"):
-        import sglang as sgl
+    """A live engine with the guard and the fault-injection plugin (driven by its control file)."""
 
-        self.control = tmp / "control.json"
-        self.fuzz_log = tmp / "fuzz.jsonl"
-        os.environ.update(
-            {
-                "SGLANG_USE_CPU_ENGINE": "1",
-                "SGLANG_CACHE_DIR": str(tmp / "sglang-cache"),
-                "KVGUARD_MODE": mode,
-                "KVGUARD_LOG_FORMAT": "json",
-                "KVGUARD_FUZZ_CONTROL": str(self.control),
-                "KVGUARD_FUZZ_LOG": str(self.fuzz_log),
-            }
-        )
-        model, _ = serving_model()
-        self.engine = sgl.Engine(
-            model_path=str(model),
-            device="cpu",
-            attention_backend="torch_native",
-            disable_cuda_graph=True,
-            max_total_tokens=2048,
-            page_size=page_size,
-            chunked_prefill_size=128,
-            skip_server_warmup=True,
-            log_level="warning",
-        )
+    def __init__(self, engine, control: Path, fuzz_log: Path):
+        self.engine, self.control, self.fuzz_log = engine, control, fuzz_log
         self.plan: list[dict] = []
 
     def run(self, prompts: list[str], tag: str = "ref") -> list[dict]:
@@ -92,8 +73,10 @@ class GuardedEngine:
             for r, rid in zip(out, rids)
         ]
 
-    def inject(self, cls: str, seed: int):
-        self.plan.append({"id": len(self.plan) + 1, "cls": cls, "seed": seed, "max_tries": 60})
+    def inject(self, cls: str, seed: int, **entry):
+        self.plan.append(
+            {"id": len(self.plan) + 1, "cls": cls, "seed": seed, "max_tries": 60, **entry}
+        )
         self.control.write_text(json.dumps({"plan": self.plan}))
 
     def injection_records(self, inj_id: int) -> list[dict]:
@@ -102,10 +85,22 @@ class GuardedEngine:
         recs = [json.loads(line) for line in self.fuzz_log.read_text().splitlines()]
         return [r for r in recs if r.get("id") == inj_id]
 
-    def shutdown(self):
-        self.engine.shutdown()
-        for k in ("KVGUARD_MODE", "KVGUARD_LOG_FORMAT", "KVGUARD_FUZZ_CONTROL", "KVGUARD_FUZZ_LOG"):
-            os.environ.pop(k, None)
+
+@contextmanager
+def guarded_engine(tmp: Path, page_size: int, mode: str = "paranoid", env=None, **engine_args):
+    control, fuzz_log = tmp / "control.json", tmp / "fuzz.jsonl"
+    env = {
+        "SGLANG_CACHE_DIR": str(tmp / "sglang-cache"),
+        "KVGUARD_MODE": mode,
+        "KVGUARD_LOG_FORMAT": "json",
+        "KVGUARD_FUZZ_CONTROL": str(control),
+        "KVGUARD_FUZZ_LOG": str(fuzz_log),
+        **(env or {}),
+    }
+    model, _ = serving_model()
+    args = dict(max_total_tokens=2048, page_size=page_size, chunked_prefill_size=128)
+    with cpu_engine(model, env, **{**args, **engine_args}) as engine:
+        yield GuardedEngine(engine, control, fuzz_log)
 
 
 def violation_events(text: str) -> dict[str, dict]:
@@ -119,8 +114,7 @@ def violation_events(text: str) -> dict[str, dict]:
 
 @pytest.mark.parametrize("page_size", [16, 1])
 def test_each_injected_bug_aborts_only_its_victims(tmp_path, capfd, page_size):
-    eng = GuardedEngine(tmp_path, page_size)
-    try:
+    with guarded_engine(tmp_path, page_size) as eng:
         prompts = workload(16)
         reference = eng.run(prompts)
         assert all("error" not in r for r in reference)
@@ -152,48 +146,18 @@ def test_each_injected_bug_aborts_only_its_victims(tmp_path, capfd, page_size):
         # the engine is still serving, and serving correctly
         fresh = eng.run(prompts[:3], tag="fresh")
         assert [o["output_ids"] for o in fresh] == [r["output_ids"] for r in reference[:3]]
-    finally:
-        eng.shutdown()
 
 
 def test_tensor_parallel_ranks_agree(tmp_path):
     """--tp 2 on CPU: a bit flipped in one rank's KV heads only. That rank's checksum fails, the
     other's does not; the verdicts are OR-reduced over the TP group, so both ranks abort the same
     request, neither hangs, and every other request answers as in the clean run."""
-    os.environ["SGLANG_CPU_OMP_THREADS_BIND"] = "0|1"
-    import sglang as sgl
-
-    eng = GuardedEngine.__new__(GuardedEngine)
-    eng.control, eng.fuzz_log, eng.plan = tmp_path / "control.json", tmp_path / "fuzz.jsonl", []
-    os.environ.update(
-        {
-            "SGLANG_USE_CPU_ENGINE": "1",
-            "SGLANG_CACHE_DIR": str(tmp_path / "sglang-cache"),
-            "KVGUARD_MODE": "paranoid",
-            "KVGUARD_LOG_FORMAT": "json",
-            "KVGUARD_FUZZ_CONTROL": str(eng.control),
-            "KVGUARD_FUZZ_LOG": str(eng.fuzz_log),
-        }
-    )
-    model, _ = serving_model()
-    eng.engine = sgl.Engine(
-        model_path=str(model),
-        device="cpu",
-        attention_backend="torch_native",
-        tp_size=2,
-        disable_cuda_graph=True,
-        max_total_tokens=2048,
-        page_size=16,
-        chunked_prefill_size=128,
-        skip_server_warmup=True,
-        log_level="warning",
-    )
-    try:
+    # one OpenMP core per rank
+    with guarded_engine(tmp_path, 16, env={"SGLANG_CPU_OMP_THREADS_BIND": "0|1"}, tp_size=2) as eng:
         prompts = workload(8)
         reference = eng.run(prompts)
         assert all("error" not in r for r in reference)
-        eng.plan.append({"id": 1, "cls": "bit_flip", "seed": 3, "max_tries": 60, "rank": 0})
-        eng.control.write_text(json.dumps({"plan": eng.plan}))
+        eng.inject("bit_flip", seed=3, rank=0)
         out = eng.run(prompts, tag="flip")
         recs = eng.injection_records(1)
         assert recs and recs[0]["event"] == "injected", recs
@@ -205,6 +169,3 @@ def test_tensor_parallel_ranks_agree(tmp_path):
                 assert o["output_ids"] == r["output_ids"]
         fresh = eng.run(prompts[:2], tag="fresh")  # both ranks still in step
         assert [o["output_ids"] for o in fresh] == [r["output_ids"] for r in reference[:2]]
-    finally:
-        eng.shutdown()
-        os.environ.pop("SGLANG_CPU_OMP_THREADS_BIND", None)

@@ -8,6 +8,8 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
+from cpu_engine import CPU_ENGINE_ARGS
 from tiny_model import tiny_random_llama
 
 
@@ -24,11 +26,7 @@ ENGINE_SCRIPT = textwrap.dedent("""
     import json, os, sys
     import kvguard, sglang
     if __name__ == "__main__":
-        engine = sglang.Engine(
-            model_path=sys.argv[1], device="cpu", attention_backend="torch_native",
-            disable_cuda_graph=True, skip_server_warmup=True, page_size=16,
-            max_total_tokens=1024, log_level="error",
-        )
+        engine = sglang.Engine(model_path=sys.argv[1], **json.loads(sys.argv[2]))
         try:
             report = {"parent": os.getpid()}
             try:
@@ -49,10 +47,18 @@ ENGINE_SCRIPT = textwrap.dedent("""
 """)
 
 
+@pytest.mark.engine
 def test_install_on_a_real_engine(tmp_path):
     """The guard really runs in the Engine's scheduler process (a pid other than the caller's)."""
     script = tmp_path / "engine.py"
     script.write_text(ENGINE_SCRIPT)
+    # the engine runs in a child process: kvguard.install is called where the Engine was made
+    engine_args = {
+        **CPU_ENGINE_ARGS,
+        "page_size": 16,
+        "max_total_tokens": 1024,
+        "log_level": "error",
+    }
     env = {k: v for k, v in os.environ.items() if not k.startswith(("KVGUARD_", "PROMETHEUS_"))}
     env.update(
         SGLANG_USE_CPU_ENGINE="1",
@@ -60,7 +66,7 @@ def test_install_on_a_real_engine(tmp_path):
         SGLANG_CACHE_DIR=str(tmp_path / "sglang-cache"),
     )
     proc = subprocess.run(
-        [sys.executable, str(script), str(tiny_random_llama())],
+        [sys.executable, str(script), str(tiny_random_llama()), json.dumps(engine_args)],
         capture_output=True,
         text=True,
         timeout=300,

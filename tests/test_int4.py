@@ -1,16 +1,14 @@
-"""INT4 weights: serve/quantize.py (RTN and GPTQ -> GPTQ checkpoint), serve/gptq.py, the CPU
+"""INT4 weights: quant/quantize.py (RTN and GPTQ -> GPTQ checkpoint), quant/gptq.py, the CPU
 linear kernel patched into SGLang (patches/int4_cpu_linear.py), and quantize -> serve end to end."""
 
 from __future__ import annotations
 
 import json
-import os
 from types import SimpleNamespace
 
 import pytest
 
 torch = pytest.importorskip("torch")
-os.environ.setdefault("SGLANG_USE_CPU_ENGINE", "1")  # before anything imports sglang
 pytest.importorskip("transformers")
 
 from quant_helpers import (  # noqa: E402
@@ -246,6 +244,7 @@ def test_gptq_method_end_to_end(model_dir, tmp_path):
 N_NEW = 16
 
 
+@pytest.mark.engine
 def test_engine_serves_int4_close_to_bf16(model_dir, tmp_path):
     from safetensors.torch import load_file
 

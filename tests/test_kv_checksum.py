@@ -308,7 +308,7 @@ def test_identical_bytes_same_position_identical_digests():
     assert torch.equal(token_digests(as_u8, s, p), token_digests(bufs, s, p))
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.gpu
 def test_cuda_triton_matches_cpu_ref():
     bufs = make_pool(300, layers=3, seed=13)
     g = torch.Generator().manual_seed(14)
