@@ -247,3 +247,148 @@ MLA_TARGETS = [
         "SGLang's generic get_rope (forward_native on CPU)",
     ),
 ]
+
+# Every other SGLang name the patches use without hooking it: classes and functions they import
+# or call, private methods they call, attributes they read or write. A version bump that renames
+# one of these breaks a patch silently, or only at the first violation long after start, so
+# tests/test_targets.py resolves each row against the installed SGLang.
+# Each row: (dotted name, kind, patch module that uses it, why). Kinds:
+#   "callable"      resolves and is callable (class, function, method, property getter excluded)
+#   "value"         resolves (module constant, class attribute, property)
+#   "attribute"     an instance attribute: a class-level name, an annotated field, or assigned as
+#                   ``self.<name> =`` in the source of the class or one of its SGLang bases
+#   "frozen_field"  a field of a frozen dataclass (written with object.__setattr__)
+#   "parameter"     a parameter of the named function (passed by keyword)
+#   "module_attr"   a module global the patch rebinds for the duration of one call
+_SCHED = "sglang.srt.managers.scheduler.Scheduler"
+_REQ = "sglang.srt.managers.schedule_batch.Req"
+_REQ_KV = "sglang.srt.managers.schedule_batch.ReqKvInfo"
+_ALLOC = "sglang.srt.mem_cache.allocator.base.BaseTokenToKVPoolAllocator"
+_PAGED = "sglang.srt.mem_cache.allocator.paged.PagedTokenToKVPoolAllocator"
+_TOKEN = "sglang.srt.mem_cache.allocator.token.TokenToKVPoolAllocator"
+_RADIX = "sglang.srt.mem_cache.unified_radix_cache.UnifiedRadixCache"
+_PREFIX = "sglang.srt.mem_cache.base_prefix_cache"
+_FB = "sglang.srt.model_executor.forward_batch_info.ForwardBatch"
+_RESULTS = "sglang.srt.managers.scheduler_components.batch_result_processor"
+_KVC = "sglang.srt.mem_cache.kv_cache_configurator"
+_POOLS = "sglang.srt.mem_cache.memory_pool"
+
+# fmt: off
+SGLANG_NAMES = [
+    # -- engine control: abort, withhold pages, rebuild the free list (control.py) --------------
+    (f"{_SCHED}._pending_chunked_abort_req", "attribute", "control", "deferred abort of a chunked prefill"),
+    (f"{_SCHED}.chunked_req", "attribute", "control", "the request mid chunked prefill"),
+    (f"{_SCHED}.token_to_kv_pool_allocator", "attribute", "control", "the KV allocator"),
+    (f"{_SCHED}.req_to_token_pool", "attribute", "adapter", "the page table"),
+    (f"{_SCHED}.tree_cache", "attribute", "control", "the prefix cache, for the free-list rebuild"),
+    (f"{_SCHED}.batch_result_processor", "attribute", "forward_hooks", "result loop, release path"),
+    (f"{_SCHED}.tp_worker", "attribute", "lifecycle", "reaches the model runner's KV pool"),
+    (f"{_SCHED}.tp_size", "attribute", "state", "tensor-parallel degree"),
+    (f"{_SCHED}.tp_cpu_group", "attribute", "forward_hooks", "the verdict's OR all-reduce"),
+    (f"{_SCHED}.flush_cache", "callable", "lifecycle", "flush the prefix cache once idle"),
+    (f"{_SCHED}.is_fully_idle", "callable", "invariant_hooks", "rebuild the free list only when idle"),
+    (f"{_RESULTS}.SchedulerBatchResultProcessor._handle_sampling_mask_abort", "callable", "control", "release an aborted request without committing its KV"),
+    (f"{_RESULTS}.SchedulerBatchResultProcessor.enable_overlap", "frozen_field", "forward_hooks", "overlap semantics for one call: an aborted request's token is not emitted"),
+    ("sglang.srt.managers.schedule_batch.FINISH_ABORT", "callable", "control", "finish reason of an aborted request"),
+    (f"{_REQ}.finished", "callable", "control", "already finished: nothing to abort"),
+    (f"{_REQ}.finished_reason", "attribute", "control", "set to FINISH_ABORT"),
+    (f"{_REQ}.discard_output_reason", "attribute", "control", "abort reason of a chunked prefill"),
+    (f"{_REQ}.skip_radix_cache_insert", "attribute", "control", "suspect KV never enters the prefix cache"),
+    (f"{_REQ}.rid", "attribute", "adapter", "request id in verdicts and logs"),
+    (f"{_REQ}.full_untruncated_fill_ids", "attribute", "adapter", "the prompt's own prefix tokens"),
+    (f"{_REQ}.extra_key", "attribute", "cache_hooks", "prefix-cache namespace of a refused hit"),
+    (f"{_REQ}.kv", "attribute", "control", "the request's KV bookkeeping"),
+    (f"{_REQ_KV}.holds_kv", "value", "control", "whether the request holds a page-table row"),
+    (f"{_REQ_KV}.req_pool_idx", "attribute", "control", "its page-table row"),
+    (f"{_REQ_KV}.cache_protected_len", "attribute", "cache_hooks", "prefix the tree owns"),
+    (f"{_ALLOC}.free_pages", "attribute", "control", "free list: quarantined pages withheld"),
+    (f"{_ALLOC}.release_pages", "attribute", "control", "pages waiting to re-enter the free list"),
+    (f"{_ALLOC}.free_group", "attribute", "pool_hooks", "grouped frees come back ungrouped"),
+    (f"{_ALLOC}.page_size", "attribute", "lifecycle", "the ledger's page size"),
+    (f"{_ALLOC}.size", "attribute", "control", "slot count at page size 1"),
+    (f"{_ALLOC}.device", "attribute", "control", "device of the rebuilt free list"),
+    (f"{_ALLOC}.available_size", "callable", "control", "free slots before and after a rebuild"),
+    (f"{_PAGED}.staged_pages", "attribute", "control", "freed pages staged before the free list"),
+    (f"{_PAGED}.num_staged_pages", "attribute", "control", "their count, kept consistent"),
+    (f"{_PAGED}.num_pages", "attribute", "control", "page count at page size > 1"),
+    (f"{_PAGED}.free_page_ids", "callable", "control", "free pages displaced from an aborted row"),
+    (f"{_TOKEN}.free_page_ids", "callable", "control", "same, page size 1"),
+    (f"{_RADIX}.evictable_size", "callable", "control", "pages the tree holds"),
+    (f"{_RADIX}.protected_size", "callable", "control", "pages the tree holds, locked"),
+    (f"{_RADIX}.all_values_flatten", "callable", "control", "every slot the tree holds"),
+    # -- prefix cache (cache_hooks.py) --------------------------------------------------------
+    (f"{_RADIX}._match_tree", "callable", "cache_hooks", "would an insert swap in quarantined pages"),
+    (f"{_RADIX}.path_device_indices", "callable", "cache_hooks", "slots of a matched path"),
+    (f"{_PREFIX}.MatchPrefixParams", "callable", "cache_hooks", "a match query"),
+    (f"{_PREFIX}.MatchPrefixParams.key", "attribute", "cache_hooks", "its radix key"),
+    (f"{_PREFIX}.MatchPrefixParams.req", "attribute", "cache_hooks", "the request behind a match"),
+    (f"{_PREFIX}.MatchResult.device_prefix_len", "attribute", "cache_hooks", "matched length"),
+    (f"{_PREFIX}.MatchResult.last_device_node", "attribute", "cache_hooks", "end of the matched path"),
+    (f"{_PREFIX}.MatchResult.cache_protected_len", "attribute", "cache_hooks", "reset in a refused hit"),
+    (f"{_PREFIX}.MatchResult._replace", "callable", "cache_hooks", "a refused hit protects nothing"),
+    (f"{_PREFIX}.zero_match_result", "callable", "cache_hooks", "a miss in place of a refused hit"),
+    ("sglang.srt.mem_cache.common._req_radix_key", "callable", "cache_hooks", "radix key of a request's tokens"),
+    # -- the forward and its batch (adapter.py, forward_hooks.py) -------------------------------
+    ("sglang.srt.managers.schedule_batch.ScheduleBatch.reqs", "attribute", "forward_hooks", "the batch's requests"),
+    ("sglang.srt.managers.utils.GenerationBatchResult.copy_done", "attribute", "forward_hooks", "the post-forward sync"),
+    ("sglang.srt.managers.tp_worker.TpModelWorker.model_runner", "attribute", "lifecycle", "the model runner"),
+    ("sglang.srt.model_executor.model_runner.ModelRunner.token_to_kv_pool", "attribute", "lifecycle", "the KV pool"),
+    ("sglang.srt.model_executor.model_runner.ModelRunner.forward_pass_id", "attribute", "forward_hooks", "the step number"),
+    ("sglang.srt.model_executor.forward_batch_info.ForwardMode.is_decode", "callable", "adapter", "decode step"),
+    ("sglang.srt.model_executor.forward_batch_info.ForwardMode.is_extend", "callable", "adapter", "prefill step"),
+    (f"{_FB}.forward_mode", "attribute", "adapter", "decode or extend"),
+    (f"{_FB}.req_pool_indices", "attribute", "adapter", "each request's page-table row"),
+    (f"{_FB}.seq_lens", "attribute", "adapter", "decode: prefix length + 1"),
+    (f"{_FB}.seq_lens_cpu", "attribute", "adapter", "longest prefix without a device read"),
+    (f"{_FB}.extend_prefix_lens", "attribute", "adapter", "prefill: cached prefix lengths"),
+    (f"{_FB}.extend_prefix_lens_cpu", "attribute", "adapter", "the same on the host"),
+    (f"{_FB}.extend_seq_lens", "attribute", "adapter", "prefill: new tokens per request"),
+    (f"{_FB}.out_cache_loc", "attribute", "adapter", "the slots the forward writes"),
+    (f"{_FB}.positions", "attribute", "adapter", "positions of the written tokens"),
+    (f"{_FB}.input_ids", "attribute", "adapter", "token ids of the written tokens"),
+    (f"{_FB}.encoder_lens", "attribute", "cpu_fp8_kv", "encoder-decoder batches keep SGLang's read"),
+    (f"{_POOLS}.ReqToTokenPool.req_to_token", "attribute", "adapter", "the page table tensor"),
+    (f"{_POOLS}.MHATokenToKVPool.k_buffer", "attribute", "adapter", "K per layer, guarded bytes"),
+    (f"{_POOLS}.MHATokenToKVPool.v_buffer", "attribute", "adapter", "V per layer, guarded bytes"),
+    (f"{_POOLS}.MHATokenToKVPool.start_layer", "attribute", "cpu_fp8_kv", "first layer of this rank"),
+    (f"{_POOLS}.MLATokenToKVPool.kv_buffer", "attribute", "adapter", "latent row per layer, guarded bytes"),
+    # -- SGLang's self-checks (invariant_hooks.py) ----------------------------------------------
+    ("sglang.srt.managers.scheduler_components.pool_stats_observer.PoolStats.full_num_used", "attribute", "invariant_hooks", "clamped at 0 after contained violations"),
+    ("sglang.srt.managers.scheduler_components.pool_stats_observer.PoolStats.full_token_usage", "attribute", "invariant_hooks", "same"),
+    # -- FP8 KV on CPU (cpu_fp8_kv.py) ----------------------------------------------------------
+    (f"{_KVC}.cpu_has_amx_support", "module_attr", "cpu_fp8_kv", "the AMX gate, answered once"),
+    (f"{_KVC}.attention_backends", "module_attr", "cpu_fp8_kv", "the backend check after it"),
+    (f"{_KVC}.KVCacheConfigurator.kv_cache_dtype", "attribute", "cpu_fp8_kv", "FP8 requested"),
+    (f"{_KVC}.KVCacheConfigurator.use_mla_backend", "attribute", "cpu_fp8_kv", "MLA refused"),
+    (f"{_KVC}.KVCacheConfigurator.spec_algorithm", "attribute", "cpu_fp8_kv", "speculative decoding refused"),
+    (f"{_KVC}.KVCacheConfigResult.token_to_kv_pool", "attribute", "cpu_fp8_kv", "the pool built"),
+    ("sglang.srt.layers.quantization.fp4_kv_cache_quant_method.CPUFP8KVCacheMethod.name", "value", "cpu_fp8_kv", "the pool's quant method is SGLang's CPU FP8"),
+    ("sglang.srt.platforms.current_platform", "value", "cpu_fp8_kv", "CPU platform check"),
+    ("sglang.srt.runtime_context.attention_backends", "callable", "cpu_fp8_kv", "configured backends"),
+    ("sglang.srt.utils.common.cpu_has_amx_support", "callable", "cpu_fp8_kv", "SGLang's own AMX route"),
+    ("sglang.srt.layers.attention.torch_native_backend.TorchNativeAttnBackend.token_to_kv_pool", "attribute", "cpu_fp8_kv", "the pool an attention call reads"),
+    ("sglang.srt.layers.radix_attention.RadixAttention.layer_id", "attribute", "cpu_fp8_kv", "the layer's tables"),
+    ("sglang.srt.layers.radix_attention.RadixAttention.k_scale", "attribute", "cpu_fp8_kv", "per-layer K scale"),
+    ("sglang.srt.layers.radix_attention.RadixAttention.k_scale_float", "attribute", "cpu_fp8_kv", "the same as a float"),
+    ("sglang.srt.layers.radix_attention.RadixAttention.v_scale", "attribute", "cpu_fp8_kv", "per-layer V scale"),
+    ("sglang.srt.layers.radix_attention.RadixAttention.v_scale_float", "attribute", "cpu_fp8_kv", "the same as a float"),
+    # -- INT4 weights (int4_cpu_linear.py) ------------------------------------------------------
+    ("sglang.srt.layers.linear.LinearBase", "callable", "int4_cpu_linear", "dynamic overrides apply to linears"),
+    ("sglang.srt.layers.quantization.gptq.gptq.GPTQLinearMethod", "callable", "int4_cpu_linear", "per-module method"),
+    ("sglang.srt.layers.quantization.utils.get_linear_quant_method", "callable", "int4_cpu_linear", "SGLang's per-module override helper"),
+    ("sglang.srt.layers.quantization.gptq.gptq.GPTQConfig.weight_bits", "attribute", "int4_cpu_linear", "4-bit only"),
+    ("sglang.srt.layers.quantization.gptq.gptq.GPTQConfig.group_size", "attribute", "int4_cpu_linear", "kernel choice"),
+    ("sglang.srt.layers.quantization.gptq.gptq.GPTQConfig.checkpoint_format", "attribute", "int4_cpu_linear", "gptq vs gptq_v2 zero points"),
+    ("sglang.srt.layers.quantization.gptq.gptq.CPUGPTQConfig.dynamic", "attribute", "int4_cpu_linear", "per-module overrides"),
+    # -- kv-canary on CPU (kv_canary_cpu.py) ----------------------------------------------------
+    ("sglang.srt.kv_canary.runner.future_tensor._DUMMY_DICT_KEY", "value", "kv_canary_cpu", "a bare tensor's payload key"),
+    ("sglang.srt.kv_canary.runner.future_tensor.FutureTensors._data", "attribute", "kv_canary_cpu", "built directly on CPU"),
+    ("sglang.srt.kv_canary.runner.future_tensor.FutureTensors._event", "attribute", "kv_canary_cpu", "same"),
+    ("sglang.srt.kv_canary.runner.future_tensor.FutureTensors._retained_device_clones", "attribute", "kv_canary_cpu", "same"),
+    ("sglang.srt.utils.phase_checker.SimplePhaseChecker._device", "attribute", "kv_canary_cpu", "CPU or not"),
+    ("sglang.srt.utils.phase_checker.SimplePhaseChecker._phase", "attribute", "kv_canary_cpu", "the phase, checked and advanced"),
+    ("sglang.srt.utils.phase_checker.SimplePhaseChecker._enable_assert_device", "attribute", "kv_canary_cpu", "whether to check it"),
+    # -- tensor parallelism on CPU (cpu_tensor_parallel.py) -------------------------------------
+    ("sglang.srt.distributed.parallel_state.init_model_parallel_group.use_pynccl", "parameter", "cpu_tensor_parallel", "no PyNccl without CUDA"),
+]
+# fmt: on
