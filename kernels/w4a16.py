@@ -33,9 +33,10 @@ except ImportError:  # pragma: no cover
 
 
 if HAVE_TRITON:
-
-    @triton.jit
-    def _w4a16_kernel(
+    # Triton kernel arguments are pointers and ints that Triton specializes on; annotations other
+    # than tl.constexpr would change that, so this one function stays unannotated.
+    @triton.jit  # type: ignore[untyped-decorator]
+    def _w4a16_kernel(  # type: ignore[no-untyped-def]
         x_ptr,
         qw_ptr,
         qz_ptr,
@@ -57,7 +58,7 @@ if HAVE_TRITON:
         BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr,
         BLOCK_K: tl.constexpr,
-    ):
+    ) -> None:
         pid_m = tl.program_id(0)
         pid_n = tl.program_id(1)
         offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -121,13 +122,13 @@ def _block_k(group_size: int) -> int:
 
 
 def w4a16_matmul_triton(
-    x,
-    qweight,
-    qzeros,
-    scales,
+    x: torch.Tensor,
+    qweight: torch.Tensor,
+    qzeros: torch.Tensor,
+    scales: torch.Tensor,
     group_size: int,
     zero_offset: int = 1,
-    bias=None,
+    bias: torch.Tensor | None = None,
     block_m: int | None = None,
     block_n: int = 64,
     block_k: int | None = None,
@@ -180,7 +181,13 @@ def w4a16_matmul_triton(
 
 
 def w4a16_matmul(
-    x, qweight, qzeros, scales, group_size: int, zero_offset: int = 1, bias=None
+    x: torch.Tensor,
+    qweight: torch.Tensor,
+    qzeros: torch.Tensor,
+    scales: torch.Tensor,
+    group_size: int,
+    zero_offset: int = 1,
+    bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``x @ W (+ bias)``. Triton on CUDA (or KVGUARD_FORCE_TRITON=1, e.g. under
     TRITON_INTERPRET=1 on CPU tensors) when group_size is a multiple of 16; else the reference."""

@@ -71,7 +71,9 @@ def unpack_cols(words: torch.Tensor) -> torch.Tensor:
     return codes.reshape(words.shape[0], words.shape[1] * PACK)
 
 
-def check_gptq_shapes(qweight, qzeros, scales, group_size: int) -> tuple[int, int]:
+def check_gptq_shapes(
+    qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor, group_size: int
+) -> tuple[int, int]:
     """Validate a GPTQ tensor triple; returns (K, N)."""
     if qweight.dtype != torch.int32 or qzeros.dtype != torch.int32:
         raise ValueError("qweight and qzeros must be int32")
@@ -87,15 +89,15 @@ def check_gptq_shapes(qweight, qzeros, scales, group_size: int) -> tuple[int, in
 
 
 def dequantize(
-    qweight,
-    qzeros,
-    scales,
+    qweight: torch.Tensor,
+    qzeros: torch.Tensor,
+    scales: torch.Tensor,
     group_size: int,
     zero_offset: int = 1,
     dtype: torch.dtype = torch.float32,
 ) -> torch.Tensor:
     """The [K, N] weight the GPTQ tensors encode, computed in float32, returned as ``dtype``."""
-    k, n = check_gptq_shapes(qweight, qzeros, scales, group_size)
+    k, _n = check_gptq_shapes(qweight, qzeros, scales, group_size)
     codes = unpack_rows(qweight)  # [K, N]
     zeros = unpack_cols(qzeros) + zero_offset  # [G, N]
     group = torch.arange(k, device=qweight.device) // group_size
@@ -105,9 +107,9 @@ def dequantize(
 
 def w4a16_matmul_ref(
     x: torch.Tensor,
-    qweight,
-    qzeros,
-    scales,
+    qweight: torch.Tensor,
+    qzeros: torch.Tensor,
+    scales: torch.Tensor,
     group_size: int,
     zero_offset: int = 1,
     bias: torch.Tensor | None = None,
@@ -116,7 +118,7 @@ def w4a16_matmul_ref(
     w = dequantize(qweight, qzeros, scales, group_size, zero_offset)
     if x.shape[-1] != w.shape[0]:
         raise ValueError(f"x has {x.shape[-1]} features, the weight expects {w.shape[0]}")
-    y = x.to(torch.float32) @ w
+    y: torch.Tensor = x.to(torch.float32) @ w
     if bias is not None:
         y = y + bias.to(torch.float32)
     return y.to(x.dtype)
@@ -124,7 +126,7 @@ def w4a16_matmul_ref(
 
 def quantize_rtn(
     w: torch.Tensor, group_size: int, sym: bool = True, scale_dtype: torch.dtype = torch.float16
-):
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Round-to-nearest 4-bit quantization of a [K, N] weight, per (group of K, column).
 
     Symmetric (the GPTQ convention): ``scale = 2 * max|w| / 15``, ``zero = 8``,

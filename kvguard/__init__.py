@@ -6,8 +6,13 @@ every interpreter start in the project's virtual environment.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Any
 
-def install(engine, config=None) -> list[dict]:
+if TYPE_CHECKING:
+    from kvguard.config import GuardConfig
+
+
+def install(engine: Any, config: GuardConfig | None = None) -> list[dict[str, Any]]:
     """Check that the guard runs in every scheduler process of an in-process ``sglang.Engine``.
 
     SGLang starts its schedulers while the Engine is created, and kvguard loads into them then

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass, fields, replace
 from enum import Enum
+from typing import Any
 
 
 class Mode(str, Enum):
@@ -26,9 +28,8 @@ class GuardConfig:
     # resting ones on average (swept in batches every 8 steps).
     sweep_tokens_per_step: int = 1024
     tenant_isolation: bool = False  # bind a request's tenant into its prefix chain
-    log_history: int = 4  # events per page kept for forensic records (fixed by the ledger)
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         if not isinstance(self.mode, Mode):
             try:
                 object.__setattr__(self, "mode", Mode(str(self.mode).lower()))
@@ -37,7 +38,8 @@ class GuardConfig:
                     f"invalid kvguard mode {self.mode!r}: choose one of "
                     + ", ".join(m.value for m in Mode)
                 ) from None
-        if not isinstance(self.sweep_tokens_per_step, int) or self.sweep_tokens_per_step < 0:
+        sweep = self.sweep_tokens_per_step
+        if isinstance(sweep, bool) or not isinstance(sweep, int) or sweep < 0:
             raise ConfigError(
                 f"sweep_tokens_per_step must be an integer >= 0, got {self.sweep_tokens_per_step!r}"
             )
@@ -51,10 +53,11 @@ class GuardConfig:
         return self.mode in (Mode.SAMPLED, Mode.PARANOID)
 
     @classmethod
-    def from_env(cls, environ=None, **overrides) -> GuardConfig:
-        """Read ``KVGUARD_MODE``, ``KVGUARD_SWEEP_TOKENS_PER_STEP``, ``KVGUARD_TENANT_ISOLATION``."""
+    def from_env(cls, environ: Mapping[str, str] | None = None, **overrides: Any) -> GuardConfig:
+        """Read ``KVGUARD_MODE``, ``KVGUARD_SWEEP_TOKENS_PER_STEP``, ``KVGUARD_TENANT_ISOLATION``
+        (``overrides`` that are not None win over the environment)."""
         environ = os.environ if environ is None else environ
-        values = {}
+        values: dict[str, Any] = {}
         for f in fields(cls):
             raw = environ.get(f"KVGUARD_{f.name.upper()}")
             if raw is None:
@@ -65,7 +68,7 @@ class GuardConfig:
 
     def to_env(self) -> dict[str, str]:
         """The environment that reproduces this config in a child process."""
-        out = {}
+        out: dict[str, str] = {}
         for f in fields(self):
             v = getattr(self, f.name)
             out[f"KVGUARD_{f.name.upper()}"] = (
@@ -73,11 +76,11 @@ class GuardConfig:
             )
         return out
 
-    def with_(self, **kw) -> GuardConfig:
+    def with_(self, **kw: Any) -> GuardConfig:
         return replace(self, **kw)
 
 
-def _parse(name: str, raw: str, typ) -> object:
+def _parse(name: str, raw: str, typ: object) -> object:
     typ = str(typ)
     if "bool" in typ:
         low = raw.strip().lower()

@@ -10,8 +10,11 @@ from the environment those processes inherited. Nothing can be installed into th
 from __future__ import annotations
 
 import os
+from typing import Any
 
 from kvguard.config import GuardConfig
+
+GuardStatus = dict[str, Any]  # one scheduler's report: active, pid, mode, page size, ...
 
 STATUS_KEY = "kvguard"  # the key kvguard.patches.guard_status adds to each scheduler's handshake
 
@@ -20,7 +23,7 @@ class GuardNotActiveError(RuntimeError):
     """The engine's scheduler processes do not run the guard as asked."""
 
 
-def scheduler_statuses(engine) -> list[dict | None]:
+def scheduler_statuses(engine: Any) -> list[GuardStatus | None]:
     """One guard report per scheduler process of ``engine`` (None: that scheduler has no guard)."""
     init = getattr(engine, "_scheduler_init_result", None)  # every rank's handshake (SGLang 0.5.23)
     infos = getattr(init, "scheduler_infos", None)
@@ -29,24 +32,25 @@ def scheduler_statuses(engine) -> list[dict | None]:
     return [info.get(STATUS_KEY) if isinstance(info, dict) else None for info in infos]
 
 
-def install(engine, config: GuardConfig | None = None) -> list[dict]:
+def install(engine: Any, config: GuardConfig | None = None) -> list[GuardStatus]:
     """Check that every scheduler of ``engine`` runs the guard (with ``config``'s settings, if
     given) and return their reports. Raises :class:`GuardNotActiveError` otherwise: the guard
     must be configured in the environment *before* the Engine is created."""
-    statuses = scheduler_statuses(engine)
-    missing = [rank for rank, s in enumerate(statuses) if not s or not s.get("active")]
+    reported = scheduler_statuses(engine)
+    missing = [rank for rank, s in enumerate(reported) if not s or not s.get("active")]
     if missing:
         env = {
             k: v for k, v in os.environ.items() if k.startswith("KVGUARD_") or k == "SGLANG_PLUGINS"
         }
         raise GuardNotActiveError(
-            f"kvguard is not running in {len(missing)} of {len(statuses)} scheduler process(es) of "
+            f"kvguard is not running in {len(missing)} of {len(reported)} scheduler process(es) of "
             f"this sglang.Engine (environment now: {env or 'no KVGUARD_* set'}). The schedulers "
             "were started with the Engine and read the guard configuration from the environment "
             "then: set KVGUARD_MODE=tags|sampled|paranoid (os.environ.update(GuardConfig(...)"
             ".to_env())) before creating the Engine, keep 'kvguard' in SGLANG_PLUGINS if you set "
             "it, and check the scheduler log for a kvguard plugin error."
         )
+    statuses = [s for s in reported if s]  # all of them, none missing
     if config is not None:
         want = {
             "mode": config.mode.value,

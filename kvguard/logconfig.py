@@ -12,6 +12,11 @@ from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Mapping, MutableMapping
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from structlog.typing import Processor
 
 FORMATS = ("console", "json")
 LEVELS = ("debug", "info", "warning", "error", "critical")
@@ -28,6 +33,7 @@ def configure(fmt: str = "console", level: str = "info") -> None:
 
     if fmt not in FORMATS:
         raise ValueError(f"log format {fmt!r}: choose one of {', '.join(FORMATS)}")
+    tail: list[Processor]
     if fmt == "json":
         tail = [structlog.processors.dict_tracebacks, structlog.processors.JSONRenderer()]
     else:
@@ -48,7 +54,7 @@ def configure(fmt: str = "console", level: str = "info") -> None:
     )
 
 
-def configure_from_env(environ=None) -> bool:
+def configure_from_env(environ: Mapping[str, str] | None = None) -> bool:
     """Apply the launcher's choice in a child process. Returns whether anything was configured.
     An unknown format falls back to console: logging must never keep the guard from loading."""
     environ = os.environ if environ is None else environ
@@ -60,13 +66,15 @@ def configure_from_env(environ=None) -> bool:
     return True
 
 
-def export(fmt: str, level: str, environ=None) -> None:
+def export(fmt: str, level: str, environ: MutableMapping[str, str] | None = None) -> None:
     """Hand the choice to child processes (they inherit the environment)."""
     environ = os.environ if environ is None else environ
     environ[ENV_FORMAT] = fmt
     environ[ENV_LEVEL] = level
 
 
-def _add_pid(logger, method_name, event_dict):
+def _add_pid(
+    logger: Any, method_name: str, event_dict: MutableMapping[str, Any]
+) -> MutableMapping[str, Any]:
     event_dict.setdefault("pid", os.getpid())
     return event_dict

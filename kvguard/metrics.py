@@ -4,16 +4,23 @@ server's ``/metrics`` through prometheus-client's multiprocess mode, which SGLan
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from prometheus_client import CollectorRegistry
+
 _default: GuardMetrics | None = None
 
 
 class GuardMetrics:
-    def __init__(self, registry=None):
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
         # Imported here, not at module import: prometheus-client picks its (multiprocess) value
         # store when first imported, which must happen after SGLang set PROMETHEUS_MULTIPROC_DIR.
         from prometheus_client import REGISTRY, Counter, Gauge
 
-        kw = dict(namespace="kvguard", registry=REGISTRY if registry is None else registry)
+        kw: dict[str, Any] = dict(
+            namespace="kvguard", registry=REGISTRY if registry is None else registry
+        )
         self.steps_checked = Counter(
             "steps_checked", "Forward steps whose reads and writes were checked", **kw
         )
