@@ -17,6 +17,8 @@ model on the calibration batches and stopping at the group (a few dozen small fo
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from kvguard.kernels.w4a16_ref import group_params
@@ -95,10 +97,8 @@ def _hessians(model, modules: list[torch.nn.Module], batches: list[torch.Tensor]
     try:
         with torch.no_grad():
             for ids in batches:
-                try:
+                with contextlib.suppress(_Stop):  # the hook stops the forward once it has its input
                     model(input_ids=ids, use_cache=False)
-                except _Stop:
-                    pass
     finally:
         handle.remove()
     return state["h"] / max(state["n"], 1)
