@@ -5,6 +5,9 @@ judge every request with the oracle.
 
 Guard modes: kvguard's ``off``, ``tags``, ``sampled``, ``paranoid``; and ``canary``: kvguard off,
 SGLang's own ``--kv-canary log`` on (it only logs: its detections are counted from its log lines).
+
+With ``tenant_isolation`` every server runs with ``--kvguard-tenant-isolation`` and the workload
+carries tenants (prefix-cache namespaces); the ``cross_tenant`` class needs both.
 """
 
 from __future__ import annotations
@@ -25,8 +28,8 @@ from kvguard.fuzz.oracle import (
     injections_from_log,
     read_jsonl,
 )
-from kvguard.fuzz.server import ServeProcess, ServerDied
 from kvguard.fuzz.workload import Wave
+from kvguard.serve.child import ServeProcess, ServerDied
 
 MODES = ("off", "tags", "sampled", "paranoid", "canary")
 
@@ -49,6 +52,7 @@ class Settings:
     max_deaths: int = 3  # server deaths after which a configuration stops (each restart ~1 min)
     tie_margin: float = TIE_MARGIN
     configs: tuple[tuple[str, int], ...] = ()  # (mode, page size) in run order; default: all pairs
+    tenant_isolation: bool = False  # --kvguard-tenant-isolation, and a workload with tenants
 
 
 @dataclass(slots=True)
@@ -89,6 +93,8 @@ def server_args(s: Settings, mode: str, page_size: int) -> list[str]:
             "--kv-canary-sweep-interval",
             str(s.canary_sweep_interval),
         ]
+    if s.tenant_isolation:
+        args += ["--kvguard-tenant-isolation"]
     if s.model_path:
         args += ["--model-path", s.model_path]
     return args
@@ -176,7 +182,17 @@ class Runner:
         wall = time.monotonic() - t0
         scored = [r for r in responses if not r.client_abort]
         tokens = sum(r.completion_tokens or 0 for r in scored if r.status == 200)
+        specs = {spec.key: spec for w in self.waves for spec in w.requests}
+        hits = [r for r in scored if r.status == 200 and (r.cached_tokens or 0) > 0]
         run.result["clean"] = {
+            # the prefix cache still serves hits (within a tenant, for requests with one)
+            "prefix_hits": len(hits),
+            "tenant_prefix_hits": sum(
+                1 for r in hits if specs[r.key].extra_key or specs[r.key].cache_salt
+            ),
+            "tenant_requests": sum(
+                1 for r in scored if specs[r.key].extra_key or specs[r.key].cache_salt
+            ),
             "seconds": round(wall, 2),
             "requests": len(responses),
             "completion_tokens": tokens,

@@ -22,7 +22,7 @@ from kvguard.fuzz.campaign import MODES, Runner, Settings
 from kvguard.fuzz.injectors import INJECTORS
 from kvguard.fuzz.oracle import TIE_MARGIN, compare
 from kvguard.fuzz.report import write_all
-from kvguard.fuzz.workload import build_workload, schedule_injections
+from kvguard.fuzz.workload import TENANT_CLASSES, build_workload, schedule_injections
 
 
 def _list(values: list[str] | None, cast=str) -> list:
@@ -87,6 +87,13 @@ def parser() -> argparse.ArgumentParser:
         help="nats: a first divergence where both runs' two best tokens are this close is a "
         "near tie (rounding noise), not an escape",
     )
+    p.add_argument(
+        "--tenant-isolation",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="serve with --kvguard-tenant-isolation and give the workload tenants (prefix-cache "
+        "namespaces); default: on when a tenant class (" + ", ".join(TENANT_CLASSES) + ") runs",
+    )
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument(
         "--rejudge",
@@ -117,6 +124,13 @@ def settings_from(args: argparse.Namespace) -> Settings:
         raise SystemExit(
             f"kvguard-fuzz: error: unknown guard modes {bad_modes}; known: {list(MODES)}"
         )
+    tenant_classes = [c for c in classes if c in TENANT_CLASSES]
+    isolation = bool(tenant_classes) if args.tenant_isolation is None else args.tenant_isolation
+    if tenant_classes and not isolation:
+        raise SystemExit(
+            f"kvguard-fuzz: error: {', '.join(tenant_classes)} runs only with tenant isolation "
+            "(drop --no-tenant-isolation, or leave the class out with --classes)"
+        )
     return Settings(
         seed=args.seed,
         classes=tuple(classes),
@@ -134,6 +148,7 @@ def settings_from(args: argparse.Namespace) -> Settings:
         max_tries=args.max_tries,
         max_deaths=args.max_deaths,
         tie_margin=args.tie_margin,
+        tenant_isolation=isolation,
     )
 
 
@@ -206,7 +221,7 @@ def run_campaign(s: Settings, progress: bool = True, command: str = "") -> dict:
         "configs": [],
     }
     for mode, ps in configs:
-        waves = build_workload(s.seed, s.num_requests, s.wave_size)
+        waves = build_workload(s.seed, s.num_requests, s.wave_size, tenants=s.tenant_isolation)
         schedule_injections(s.seed, waves, s.num_injections, list(s.classes), s.max_tries)
         if mode == configs[0][0] and ps == configs[0][1]:
             report["schedule"] = [e for w in waves for e in w.injections]

@@ -30,6 +30,7 @@ class Response:
     finish_reason: str | None = None
     prompt_tokens: int | None = None
     completion_tokens: int | None = None
+    cached_tokens: int | None = None  # prompt tokens served from the prefix cache
     latency_s: float = 0.0
     extra: dict = field(default_factory=dict)
 
@@ -38,7 +39,11 @@ class Response:
 
 
 def _body(spec: RequestSpec, rid: str, stream: bool) -> dict:
+    tenant = {
+        k: v for k, v in (("extra_key", spec.extra_key), ("cache_salt", spec.cache_salt)) if v
+    }
     return {
+        **tenant,  # SGLang's prefix-cache namespace (top-level fields of /generate)
         "rid": rid,
         "text": spec.text,
         "stream": stream,
@@ -105,6 +110,7 @@ def _fill(out: Response, data: dict):
     out.finish_reason = reason.get("type") if isinstance(reason, dict) else reason
     out.prompt_tokens = meta.get("prompt_tokens")
     out.completion_tokens = meta.get("completion_tokens")
+    out.cached_tokens = meta.get("cached_tokens")
     if isinstance(reason, dict) and reason.get("type") == "abort":
         _error(out, json.dumps(reason))
 

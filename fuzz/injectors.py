@@ -3,8 +3,10 @@ live SGLang scheduler, through SGLang's own allocator, page table, prefix cache 
 through kvguard's ledger. See ../shared/notes/bug-taxonomy.md for the bug classes.
 
 An injector runs just before a batch's forward (``Scheduler.run_batch``), sees the scheduler and the
-batch, and returns an ``Injection`` naming the requests whose KV it touched (the oracle's
-"affected" set), or None when the moment does not fit (then it is retried at a later step).
+batch, and returns an ``Injection`` (or None when the moment does not fit; then it is retried at a
+later step). The injection names the pages it touched and what their slots really hold now
+(``accounting.Watch``); the tracker works out, step by step, which requests that makes victims and
+which only exposed. The KV bytes are touched through ``kvbytes`` (MHA and MLA pools alike).
 """
 
 from __future__ import annotations
@@ -13,21 +15,24 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kvguard.fuzz import kvbytes
+from kvguard.fuzz.accounting import OK, Garbage, Scan, Watch, judge, live_requests, written_by
+from kvguard.fuzz.cross_tenant import cross_tenant
+
 
 @dataclass
 class Injection:
     cls: str
     step: int
-    victims: set[str]  # request ids whose KV was touched
+    watch: Watch  # the pages it touched, what they hold, whom it harmed
     detail: dict = field(default_factory=dict)
-    watch_slots: torch.Tensor | None = None  # later holders of these slots are victims too
+    pending: dict | None = None  # a stale write not landed yet (stale_writer)
     after_forward: object = None  # callable run once after this step's forward
     cleanup: object = None  # callable(sched) -> True once the injected mess is tidied (no leak)
 
 
-def _kv_buffers(sched):
-    kv = sched.tp_worker.model_runner.token_to_kv_pool
-    return [b for pair in zip(kv.k_buffer, kv.v_buffer) for b in pair]
+def _pool(sched):
+    return sched.tp_worker.model_runner.token_to_kv_pool
 
 
 def _table(sched):
@@ -36,21 +41,6 @@ def _table(sched):
 
 def _ps(sched) -> int:
     return sched.token_to_kv_pool_allocator.page_size
-
-
-def live_requests(sched, batch):
-    seen, out = set(), []
-    batch_reqs = list(batch.reqs) if batch is not None else []
-    for req in (
-        batch_reqs
-        + list(getattr(sched.running_batch, "reqs", []) or [])
-        + list(sched.waiting_queue)
-    ):
-        if id(req) in seen or not req.kv.holds_kv or req.finished():
-            continue
-        seen.add(id(req))
-        out.append(req)
-    return out
 
 
 def holders(sched, batch, slots: torch.Tensor) -> set[str]:
@@ -75,7 +65,8 @@ def free_if_orphaned(sched, slots: torch.Tensor):
         return
     tree = getattr(sched, "tree_cache", None)  # freed, reused, and now cached by the prefix tree
     if tree is not None and hasattr(tree, "all_values_flatten"):
-        if bool(torch.isin(slots, tree.all_values_flatten().to(slots.device, torch.int64)).any()):
+        cached = tree.all_values_flatten().to(slots.device, torch.int64)
+        if bool(torch.isin(slots, cached).any()):
             return
     alloc.free(slots)
 
@@ -99,45 +90,46 @@ def _page_slots(sched, req, lp):
     return _table(sched)[req.kv.req_pool_idx, lp * ps : (lp + 1) * ps].to(torch.int64).clone()
 
 
+def _page_contents(sched, req, lp) -> dict:
+    """What the slots of ``req``'s logical page ``lp`` hold: its own KV where it wrote it."""
+    ps = _ps(sched)
+    slots = _page_slots(sched, req, lp).tolist()
+    committed = req.kv.kv_committed_len
+    return {s: written_by(req, lp * ps + i, committed) for i, s in enumerate(slots)}
+
+
 # -- injectors -----------------------------------------------------------------------------------------
 def premature_free(sched, batch, rng, step):
-    """sglang #24226 / #18744: a page returned to the free list while its request still reads it."""
+    """sglang #24226 / #18744: a page returned to the free list while its request still reads it.
+    Victims: its holders (stale from now on); exposed: whoever the allocator hands it to next."""
+    ps = _ps(sched)
     for req in rng.sample(_decode_reqs(batch), len(_decode_reqs(batch))):
-        lp = _written_page(rng, req, _ps(sched), private=rng.random() < 0.5)
+        lp = _written_page(rng, req, ps, private=rng.random() < 0.5)
         if lp is None:
             continue
         slots = _page_slots(sched, req, lp)
-        victims = holders(sched, batch, slots)
+        watch = Watch(ps, step, _page_contents(sched, req, lp))
         sched.token_to_kv_pool_allocator.free(slots)
         return Injection(
-            "premature_free",
-            step,
-            victims,
-            {"rid": req.rid, "page": int(slots[0]) // _ps(sched)},
-            watch_slots=slots,
+            "premature_free", step, watch, {"rid": req.rid, "page": int(slots[0]) // ps}
         )
     return None
 
 
 def double_allocation(sched, batch, rng, step):
     """vllm #42571: the same page twice in the free queue; the allocator hands it out again."""
-    alloc = sched.token_to_kv_pool_allocator
+    alloc, ps = sched.token_to_kv_pool_allocator, _ps(sched)
     for req in rng.sample(_decode_reqs(batch), len(_decode_reqs(batch))):
-        lp = _written_page(rng, req, _ps(sched), private=rng.random() < 0.5)
+        lp = _written_page(rng, req, ps, private=rng.random() < 0.5)
         if lp is None:
             continue
         slots = _page_slots(sched, req, lp)
-        page = slots[:1] // _ps(sched)
+        page = slots[:1] // ps
+        watch = Watch(ps, step, _page_contents(sched, req, lp))
         alloc.free_pages = torch.cat(
             (page.to(alloc.free_pages.device), alloc.free_pages)
         )  # bypasses free()
-        return Injection(
-            "double_allocation",
-            step,
-            holders(sched, batch, slots),
-            {"rid": req.rid, "page": int(page)},
-            watch_slots=slots,
-        )
+        return Injection("double_allocation", step, watch, {"rid": req.rid, "page": int(page)})
     return None
 
 
@@ -152,10 +144,12 @@ def table_redirect(sched, batch, rng, step):
         return None
     table, ps = _table(sched), _ps(sched)
     pos = rng.randint(0, pa)
-    other = int(table[b.kv.req_pool_idx, rng.randint(0, pb)])
+    j = rng.randint(0, pb)
+    other = int(table[b.kv.req_pool_idx, j])
     target = other - other % ps + pos % ps  # same in-page offset: only the owner tag can tell
     if target == int(table[a.kv.req_pool_idx, pos]):
         return None
+    watch = Watch(ps, step, _page_contents(sched, b, j // ps))  # the target's page, as b holds it
     displaced = int(table[a.kv.req_pool_idx, pos])
     table[a.kv.req_pool_idx, pos] = target
 
@@ -172,7 +166,7 @@ def table_redirect(sched, batch, rng, step):
     return Injection(
         "table_redirect",
         step,
-        {a.rid},
+        watch,
         {"rid": a.rid, "pos": pos, "slot": target, "displaced": displaced},
         cleanup=tidy if ps == 1 else None,
     )
@@ -187,13 +181,15 @@ def table_swap(sched, batch, rng, step):
         p1, p2 = rng.sample(range(n), 2)
         table, row = _table(sched), req.kv.req_pool_idx
         s1, s2 = int(table[row, p1]), int(table[row, p2])
+        watch = Watch(_ps(sched), step, {s1: written_by(req, p1), s2: written_by(req, p2)})
         table[row, p1], table[row, p2] = s2, s1
-        return Injection("table_swap", step, {req.rid}, {"rid": req.rid, "pos": [p1, p2]})
+        return Injection("table_swap", step, watch, {"rid": req.rid, "pos": [p1, p2]})
     return None
 
 
 def bit_flip(sched, batch, rng, step):
-    """arXiv 2604.17249: one bit flipped in a resting KV page (memory or DMA corruption)."""
+    """arXiv 2604.17249: one bit flipped in a resting KV slot (memory or DMA corruption); whoever
+    reads the slot until it is rewritten (a prefix-cache hit on it too) reads the flip."""
     reqs = _decode_reqs(batch)
     if not reqs:
         return None
@@ -203,56 +199,58 @@ def bit_flip(sched, batch, rng, step):
         return None
     pos = rng.randint(0, n - 1)
     slot = int(_table(sched)[req.kv.req_pool_idx, pos])
-    bufs = _kv_buffers(sched)
-    buf = bufs[rng.randrange(len(bufs))]
-    row = buf[slot].view(torch.uint8).reshape(-1)
-    byte, bit = rng.randrange(row.numel()), rng.randrange(8)
-    row[byte] ^= 1 << bit
-    flipped = torch.tensor([slot])
-    # Later holders (a prefix-cache hit on the flipped page) read the flip too: victims as well.
-    return Injection(
-        "bit_flip",
-        step,
-        holders(sched, batch, flipped),
-        {"rid": req.rid, "slot": slot, "byte": byte, "bit": bit},
-        watch_slots=flipped,
-    )
+    where = kvbytes.flip_bit(_pool(sched), slot, rng)
+    watch = Watch(_ps(sched), step, {slot: Garbage("bit_flip")})
+    return Injection("bit_flip", step, watch, {"rid": req.rid, "slot": slot, **where})
 
 
 def stale_writer(sched, batch, rng, step):
     """GLM-5 PD race / sglang #24527: a transfer issued for one request lands after its pages
-    were reused: snapshot a page now, write the old bytes back once another request holds it."""
+    were reused: snapshot a page now, write the old bytes back once another request holds it and
+    has written its own KV there (so it reads the stale bytes: see ``land_stale_write``)."""
+    ps = _ps(sched)
     reqs = _decode_reqs(batch)
     for req in rng.sample(reqs, len(reqs)):
-        lp = _written_page(rng, req, _ps(sched), private=True)
+        lp = _written_page(rng, req, ps, private=True)
         if lp is None:
             continue
         slots = _page_slots(sched, req, lp)
-        stale = [b[slots].clone() for b in _kv_buffers(sched)]
+        contents = _page_contents(sched, req, lp)
+        stale = kvbytes.snapshot(_pool(sched), slots)
         return Injection(
             "stale_writer",
             step,
-            set(),
-            {
-                "rid": req.rid,
-                "page": int(slots[0]) // _ps(sched),
-                "pending": {"slots": slots, "bytes": stale, "from": req.rid},
-            },
+            Watch(ps, step, contents),
+            {"rid": req.rid, "page": int(slots[0]) // ps},
+            pending={"slots": slots, "bytes": stale, "contents": contents, "from": req},
         )
     return None
 
 
-def land_stale_write(sched, batch, inj: Injection) -> bool:
-    """Complete a stale_writer injection once its page is held by a different request."""
-    pending = inj.detail["pending"]
-    now = holders(sched, batch, pending["slots"]) - {pending["from"]}
-    if not now:
-        return False
-    for buf, old in zip(_kv_buffers(sched), pending["bytes"]):
-        buf[pending["slots"]] = old
-    inj.victims |= now
-    inj.detail["landed_on"] = sorted(now)
-    return True
+def land_stale_write(sched, scan: Scan, inj: Injection, step: int) -> bool:
+    """Land a stale_writer's bytes once the page is held by another request that has written it
+    all (not in this forward) and reads different KV there: the late write then lands in KV a
+    live request reads. Landing as soon as another request merely held the page let its owner
+    overwrite the stale bytes (18 of 24 "masked" in a 10k-request campaign)."""
+    pending = inj.pending
+    slots = pending["slots"].tolist()
+    if set(slots) & {slot for _, _, slot in scan.writes}:
+        return False  # this forward writes there: it would overwrite the stale bytes
+    for h in scan.holders:
+        if h.req is pending["from"]:
+            continue
+        held = {s: p for s, p in h.slots if s in pending["contents"]}
+        if len(held) < len(slots) or any(p >= h.committed for p in held.values()):
+            continue
+        if all(judge(pending["contents"][s], h.req, held[s], scan.tokens) == OK for s in held):
+            continue  # the same KV (a prefix-cache hit on it): a harmless late write
+        kvbytes.write(_pool(sched), pending["slots"], pending["bytes"])
+        inj.watch.contents.update(pending["contents"])  # the slots now hold the old KV
+        inj.watch.reopen(step)
+        inj.detail["landed_on"] = h.rid
+        inj.pending = None
+        return True
+    return False
 
 
 def _extend_hits(batch):
@@ -263,29 +261,26 @@ def _extend_hits(batch):
 
 def read_before_ready(sched, batch, rng, step):
     """sglang #22811: prefix pages handed to a reader while their load is still in flight: the
-    reader's prefill sees the pages' old bytes; the load lands right after the forward."""
+    reader's prefill sees the pages' old bytes; the load lands right after the forward. Victims:
+    this forward's readers of the page; its other holders read it later, intact: exposed."""
     ps = _ps(sched)
+    pool = _pool(sched)
     for req in _extend_hits(batch):
         n = req.prefix_len // ps
         if n < 1:
             continue
         lp = rng.randrange(n)
         slots = _page_slots(sched, req, lp)
-        bufs = _kv_buffers(sched)
-        saved = [b[slots].clone() for b in bufs]
-        for b in bufs:
-            b[slots] = torch.zeros_like(b[slots])  # "not loaded yet"
-
-        def land(bufs=bufs, saved=saved, slots=slots):
-            for b, s in zip(bufs, saved):
-                b[slots] = s
-
+        saved = kvbytes.snapshot(pool, slots)
+        kvbytes.zero(pool, slots)  # "not loaded yet"
+        watch = Watch(ps, step, _page_contents(sched, req, lp))
+        watch.transient = dict.fromkeys(slots.tolist(), Garbage("not_ready"))
         return Injection(
             "read_before_ready",
             step,
-            holders(sched, batch, slots) & {r.rid for r in batch.reqs},
+            watch,
             {"rid": req.rid, "page": int(slots[0]) // ps},
-            after_forward=land,
+            after_forward=lambda s=slots, b=saved: kvbytes.write(pool, s, b),
         )
     return None
 
@@ -308,18 +303,18 @@ def stale_prefix(sched, batch, rng, step):
         old = _page_slots(sched, req, lp)
         if torch.equal(new, old):
             continue
+        watch = Watch(ps, step, _page_contents(sched, donor, dlp))
         table[req.kv.req_pool_idx, lp * ps : (lp + 1) * ps] = new.to(table.dtype)
         return Injection(
-            "stale_prefix",
-            step,
-            {req.rid},
-            {"rid": req.rid, "logical_page": lp, "donor": donor.rid},
+            "stale_prefix", step, watch, {"rid": req.rid, "logical_page": lp, "donor": donor.rid}
         )
     return None
 
 
 def shared_write(sched, batch, rng, step):
-    """sglang #36743: a request writes its new KV into a page the prefix cache shares."""
+    """sglang #36743: a request writes its new KV into a page the prefix cache shares. The writer
+    is a victim (its own mapping is wrong); the sharers are victims only if the write lands (the
+    tracker compares the page's bytes after the forward), else exposed."""
     ps = _ps(sched)
     table = _table(sched)
     positions = batch.seq_lens.to(torch.int64) - 1 if batch.forward_mode.is_decode() else None
@@ -334,17 +329,13 @@ def shared_write(sched, batch, rng, step):
         lp = rng.randrange(src.kv.cache_protected_len // ps)
         shared_page = _page_slots(sched, src, lp)
         target = int(shared_page[0])
+        watch = Watch(ps, step, _page_contents(sched, src, lp), victims=[req.rid])
+        watch.foreign[req.rid] = req
         mine = int(batch.out_cache_loc[i])
         batch.out_cache_loc[i] = target
         table[req.kv.req_pool_idx, pos] = target
         sched.token_to_kv_pool_allocator.free(torch.arange(mine, mine + ps, dtype=torch.int64))
-        return Injection(
-            "shared_write",
-            step,
-            holders(sched, batch, shared_page) | {req.rid},
-            {"rid": req.rid, "shared_page": target // ps},
-            watch_slots=shared_page,
-        )
+        return Injection("shared_write", step, watch, {"rid": req.rid, "shared_page": target // ps})
     return None
 
 
@@ -361,6 +352,7 @@ def never_written(sched, batch, rng, step):
             return None
         lp = rng.randrange(n)
         table[req.kv.req_pool_idx, lp * ps : (lp + 1) * ps] = fresh.to(table.dtype)
+        watch = Watch(ps, step, dict.fromkeys(fresh.tolist(), Garbage("never_written")))
 
         def tidy(sched, req=req, fresh=fresh):  # the bug leaks the page once its reader is gone
             if not (req.finished() or not req.kv.holds_kv):
@@ -371,9 +363,8 @@ def never_written(sched, batch, rng, step):
         return Injection(
             "never_written",
             step,
-            {req.rid},
+            watch,
             {"rid": req.rid, "logical_page": lp, "page": int(fresh[0]) // ps},
-            watch_slots=fresh,
             cleanup=tidy,
         )
     return None
@@ -390,4 +381,5 @@ INJECTORS = {
     "shared_write": shared_write,
     "never_written": never_written,
     "bit_flip": bit_flip,
+    "cross_tenant": cross_tenant,  # needs tenant isolation on and a workload with tenants
 }

@@ -3,31 +3,39 @@
 Request outcomes (requests the client itself dropped are ``client_abort`` and not scored):
 
 - ``clean``: output identical to the reference, token for token;
-- ``detected``: aborted by kvguard and in the victim set of an injection;
+- ``detected``: aborted by kvguard and a victim of an injection (it read, or would have read,
+  wrong KV bytes because of it: see ``accounting``);
+- ``collateral``: aborted by kvguard, a victim of no injection, but exposed to one (it held a
+  page an injection involved while its own KV stayed intact: its output would have matched);
 - ``escaped``: completed, output differs from the reference (victim or not) at a token the
-  model chose decisively;
+  model chose decisively; or completed as a victim of a leak class (``cross_tenant``: it was
+  served from another tenant's KV, whatever its tokens);
 - ``near_tie``: completed, output differs first at a step where both runs had their two best
   tokens within ``tie_margin`` nats of each other, with a candidate in common. Greedy decoding
   is not bit-stable across batch compositions and prefix-cache states (chunk boundaries change
   the KV's rounding), so a clean run flips such ties too: reported, not counted as an escape.
   The campaign measures this noise floor by comparing the clean passes of configurations;
-- ``false_abort``: aborted by kvguard but no injection touched its KV (the record says whether
-  the guard saw changed KV bytes, i.e. corruption the plugin did not follow, or only distrusted
-  a page whose bytes still verified);
+- ``false_abort``: aborted by kvguard but no injection touched its KV or its pages (the record
+  says whether the guard saw changed KV bytes, i.e. corruption the plugin did not follow, or
+  only distrusted a page whose bytes still verified);
 - ``error``: no answer or another failure (server death, timeout);
 - ``no_reference``: the reference run has no output to compare with.
 
-Injection outcomes: ``detected`` (some victim aborted by kvguard), ``escaped`` (some victim
-served a wrong output, none aborted), ``near_tie`` (a victim's output differs only from a
-near-tie step on), ``masked`` (victims served the reference output: the
-corruption did not change a greedy token), ``unscored`` (its only victims were dropped by their
-client or failed), ``no_victim`` (the KV it touched was never read by a request still running),
-``skipped`` (no fitting moment within max_tries steps), ``not_run`` (still queued when the
-configuration ended), ``injector_error``.
+Injection outcomes: ``detected`` (some victim aborted by kvguard), ``refused`` (the guard refused
+the bad prefix-cache hit itself, so no request read it: ``cross_tenant``), ``escaped`` (some
+victim served a wrong output, none aborted), ``near_tie`` (a victim's output differs only from a
+near-tie step on), ``masked`` (victims served the reference output: the corruption did not
+change a greedy token, or the guard repaired it), ``unscored`` (its only victims were dropped by
+their client or failed), ``no_victim`` (the KV it touched was never read by a request still
+running), ``not_landed`` (a stale write that never found a reader), ``skipped`` (no fitting
+moment within max_tries steps), ``not_run`` (still queued when the configuration ended),
+``injector_error``. Each injection also counts its aborts: victims aborted, and collateral
+(requests only exposed to it, a victim of no injection, aborted).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 from collections import Counter, defaultdict
@@ -39,6 +47,7 @@ TIE_MARGIN = 0.1  # nats between the two best tokens: below this a flip may be r
 REQUEST_OUTCOMES = (
     "clean",
     "detected",
+    "collateral",
     "escaped",
     "near_tie",
     "false_abort",
@@ -48,15 +57,18 @@ REQUEST_OUTCOMES = (
 )
 INJECTION_OUTCOMES = (
     "detected",
+    "refused",
     "escaped",
     "near_tie",
     "masked",
     "unscored",
     "no_victim",
+    "not_landed",
     "skipped",
     "not_run",
     "injector_error",
 )
+LEAK_CLASSES = ("cross_tenant",)  # a victim that completes is a leak, whatever its tokens
 CANARY_LINE = re.compile(r"kv_canary violation: .*slot_idx=(\d+) position=(\d+)")
 
 
@@ -65,15 +77,15 @@ def read_jsonl(path: Path) -> list[dict]:
     if path.exists():
         for line in path.read_text(errors="replace").splitlines():
             if line.startswith("{"):
-                try:
+                with contextlib.suppress(ValueError):
                     out.append(json.loads(line))
-                except ValueError:
-                    pass
     return out
 
 
 def injections_from_log(events: list[dict], planned: list[dict]) -> dict[int, dict]:
-    """Fold the plugin's log (injected / victims / landed / skipped) into one record per entry."""
+    """Fold the plugin's log (injected / victims / landed / skipped) into one record per entry:
+    victims and exposed requests with the step each was first seen (logs of older campaigns
+    have no exposed sets: every holder was a victim then)."""
     out = {
         e["id"]: {
             "id": e["id"],
@@ -82,7 +94,10 @@ def injections_from_log(events: list[dict], planned: list[dict]) -> dict[int, di
             "status": "not_run",
             "at_step": None,
             "victims": {},
+            "exposed": {},
+            "why": {},
             "detail": None,
+            "pending": False,
         }
         for e in planned
     }
@@ -100,15 +115,17 @@ def injections_from_log(events: list[dict], planned: list[dict]) -> dict[int, di
             rec["status"] = "skipped"
         elif kind in ("injected", "victims", "landed"):
             if kind == "injected":
-                rec["status"], rec["at_step"], rec["detail"] = (
-                    "injected",
-                    ev.get("at_step"),
-                    ev.get("detail"),
-                )
+                rec["status"], rec["at_step"] = "injected", ev.get("at_step")
+            rec["detail"] = ev.get("detail") if kind != "victims" else rec["detail"]
+            rec["pending"] = bool(ev.get("pending"))
             for rid in ev.get("victims", []):
                 rec["victims"].setdefault(rid, ev.get("at_step"))  # first step it was a victim
-            if kind == "landed":
-                rec["detail"] = ev.get("detail")
+            for rid in ev.get("exposed", []):
+                rec["exposed"].setdefault(rid, ev.get("at_step"))
+            for rid, why in (ev.get("why") or {}).items():
+                rec["why"].setdefault(rid, why)
+    for rec in out.values():  # a request first exposed, later a victim, is a victim
+        rec["exposed"] = {r: s for r, s in rec["exposed"].items() if r not in rec["victims"]}
     return out
 
 
@@ -154,20 +171,29 @@ def classify(
 ) -> tuple[list[dict], dict]:
     """Per-request records and per-injection outcomes (the latter updated in ``injections``)."""
     victim_of: dict[str, list[int]] = defaultdict(list)
+    exposed_to: dict[str, list[int]] = defaultdict(list)
     for inj in injections.values():
         for rid in inj["victims"]:
             victim_of[rid].append(inj["id"])
+        for rid in inj.get("exposed", {}):
+            exposed_to[rid].append(inj["id"])
     records = []
     for r in responses:
         ids = victim_of.get(r.rid, [])
         ref = reference.get(r.key)  # (output ids, top-2 logprobs) of the clean pass
         guard_abort = r.violation is not None
+        leaked = any(injections[i]["cls"] in LEAK_CLASSES for i in ids)
+        where: dict = {}
         if r.client_abort:
             outcome = "client_abort"
         elif guard_abort:
-            outcome = "detected" if ids else "false_abort"
+            outcome = (
+                "detected" if ids else "collateral" if exposed_to.get(r.rid) else "false_abort"
+            )
         elif r.status != 200 or r.output_ids is None:
             outcome = "error"
+        elif leaked:
+            outcome, where = "escaped", {"leak": True}  # another tenant's KV reached it
         elif ref is None:
             outcome = "no_reference"
         else:
@@ -178,6 +204,7 @@ def classify(
             "wave": r.wave,
             "outcome": outcome,
             "victim_of": ids,
+            "exposed_to": [i for i in exposed_to.get(r.rid, []) if i not in ids],
             "classes": sorted({injections[i]["cls"] for i in ids}),
             "status": r.status,
             "guard_aborted": guard_abort,
@@ -185,10 +212,11 @@ def classify(
             "latency_s": round(r.latency_s, 3),
             "prompt_tokens": r.prompt_tokens,
             "completion_tokens": r.completion_tokens,
+            "cached_tokens": r.cached_tokens,
         }
         if outcome in ("escaped", "near_tie"):
             rec.update(where)
-        if outcome in ("error", "false_abort") and r.error:
+        if outcome in ("error", "false_abort", "collateral") and r.error:
             rec["error"] = r.error[:500]
         ev = violations.get(r.rid)
         if ev is not None:
@@ -212,31 +240,40 @@ def classify(
 
     by_rid = {rec["rid"]: rec for rec in records}
     for inj in injections.values():
-        if inj["status"] != "injected":
-            inj["outcome"] = inj["status"]
-            continue
-        victims = [by_rid[v] for v in inj["victims"] if v in by_rid]
-        seen = Counter(v["outcome"] for v in victims)
-        if any(v["guard_aborted"] for v in victims):  # a dropped request aborted first counts too
-            inj["outcome"] = "detected"
-        elif seen["escaped"]:
-            inj["outcome"] = "escaped"
-        elif seen["near_tie"]:
-            inj["outcome"] = "near_tie"
-        elif seen["clean"]:
-            inj["outcome"] = "masked"
-        elif victims:
-            inj["outcome"] = "unscored"
-        else:
-            inj["outcome"] = "no_victim"
-        inj["victim_outcomes"] = dict(seen)
-        lags = [
-            by_rid[v]["steps_to_abort"]
-            for v in inj["victims"]
-            if v in by_rid and "steps_to_abort" in by_rid[v]
-        ]
-        inj["steps_to_abort"] = min(lags) if lags else None
+        _judge_injection(inj, by_rid)
     return records, injections
+
+
+def _judge_injection(inj: dict, by_rid: dict[str, dict]) -> None:
+    """An injection's outcome from its victims' outcomes, and the aborts it cost."""
+    victims = [by_rid[v] for v in inj["victims"] if v in by_rid]
+    exposed = [by_rid[v] for v in inj.get("exposed", {}) if v in by_rid]
+    inj["victims_aborted"] = sum(1 for v in victims if v["guard_aborted"])
+    inj["collateral"] = sum(1 for v in exposed if v["outcome"] == "collateral")
+    inj["aborts"] = inj["victims_aborted"] + inj["collateral"]
+    if inj["status"] != "injected":
+        inj["outcome"] = inj["status"]
+        return
+    seen = Counter(v["outcome"] for v in victims)
+    if any(v["guard_aborted"] for v in victims):  # a dropped request aborted first counts too
+        inj["outcome"] = "detected"
+    elif seen["escaped"]:
+        inj["outcome"] = "escaped"
+    elif seen["near_tie"]:
+        inj["outcome"] = "near_tie"
+    elif seen["clean"]:
+        inj["outcome"] = "masked"
+    elif victims:
+        inj["outcome"] = "unscored"
+    elif (inj.get("detail") or {}).get("refused"):
+        inj["outcome"] = "refused"
+    elif inj.get("pending"):
+        inj["outcome"] = "not_landed"
+    else:
+        inj["outcome"] = "no_victim"
+    inj["victim_outcomes"] = dict(seen)
+    lags = [v["steps_to_abort"] for v in victims if "steps_to_abort" in v]
+    inj["steps_to_abort"] = min(lags) if lags else None
 
 
 def canary_flags(log_text: str) -> list[tuple[int, int]]:

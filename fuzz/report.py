@@ -15,9 +15,15 @@ def summarize(cfg: dict) -> dict:
     """Per-configuration counts: request outcomes, injection outcomes per class, lags."""
     reqs, injs = cfg.get("requests", []), cfg.get("injections", [])
     by_class: dict[str, Counter] = {}
+    aborts: dict[str, Counter] = {}
     lags: dict[str, list[int]] = {}
     for inj in injs:
         by_class.setdefault(inj["cls"], Counter())[inj["outcome"]] += 1
+        if inj["outcome"] not in ("skipped", "not_run", "injector_error"):
+            a = aborts.setdefault(inj["cls"], Counter())
+            a["injections"] += 1
+            for k in ("aborts", "victims_aborted", "collateral"):
+                a[k] += inj.get(k, 0)
         if inj.get("canary_flagged"):
             by_class[inj["cls"]]["canary_flagged"] += 1
         if inj.get("steps_to_abort") is not None:
@@ -56,6 +62,8 @@ def summarize(cfg: dict) -> dict:
         ),
         "injections": {k: sum(c.get(k, 0) for c in by_class.values()) for k in INJECTION_OUTCOMES},
         "by_class": {k: dict(v) for k, v in sorted(by_class.items())},
+        # aborts each class cost: its victims aborted, and requests only exposed to it aborted
+        "aborts_by_class": {k: dict(v) for k, v in sorted(aborts.items())},
         "steps_to_abort": {
             k: {"median": statistics.median(v), "max": max(v), "n": len(v)}
             for k, v in sorted(lags.items())
@@ -80,6 +88,8 @@ def verdict(cfg: dict) -> list[str]:
         bad.append(f"{s['requests']['escaped']} escaped")
     if s["requests"]["false_abort"] or s["clean_pass_guard_aborts"]:
         bad.append(f"{s['requests']['false_abort'] + s['clean_pass_guard_aborts']} false aborts")
+    if s["requests"]["collateral"]:
+        bad.append(f"{s['requests']['collateral']} collateral aborts")
     if s["requests"]["error"]:
         bad.append(f"{s['requests']['error']} failed requests")
     if s["server_deaths"]:
@@ -108,7 +118,7 @@ def _totals(configs: list[dict]) -> dict:
         t["injections_run"] += sum(
             v for k, v in s["injections"].items() if k not in ("skipped", "not_run")
         )
-        for k in ("escaped", "false_abort", "detected", "error"):
+        for k in ("escaped", "false_abort", "collateral", "detected", "error"):
             t[k] += s["requests"][k]
         t["server_deaths"] += s["server_deaths"]
     return dict(t)
@@ -133,10 +143,10 @@ def markdown(report: dict) -> str:
         "",
         "## Verdict per configuration",
         "",
-        "| configuration | scored requests | clean | detected | escaped | near-tie divergences "
-        "(victims) | false aborts (KV changed) | errors | server deaths | idle KV held (end) | "
-        "verdict |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| configuration | scored requests | clean | detected | collateral | escaped | near-tie "
+        "divergences (victims) | false aborts (KV changed) | errors | server deaths | idle KV held "
+        "(end) | verdict |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for c in report["configs"]:
         r = c["summary"]["requests"]
@@ -147,7 +157,7 @@ def markdown(report: dict) -> str:
             ok = "unguarded: " + ok
         lines.append(
             f"| {c['mode']} ps{c['page_size']} | {scored} | {r['clean']} | {r['detected']} | "
-            f"{r['escaped']} | {r['near_tie']} ({c['summary']['near_ties_of_victims']}) | {fa} "
+            f"{r['collateral']} | {r['escaped']} | {r['near_tie']} ({c['summary']['near_ties_of_victims']}) | {fa} "
             f"({c['summary']['false_aborts_with_changed_kv']}) | "
             f"{r['error']} | {c['summary']['server_deaths']} | "
             f"{c['summary']['idle_used_tokens_end']} | {ok} |"
@@ -165,10 +175,17 @@ def markdown(report: dict) -> str:
         "the guard found changed KV bytes (a digest mismatch: corruption the plugin did not "
         "follow, e.g. the aftermath of an injected double free), the rest aborted over pages "
         "whose bytes still verified (e.g. every holder of a page quarantined because another "
-        "request read it before it was ready).",
+        "request read it before it was ready). A detection is a guard abort of a victim (a "
+        "request that read, or would have read, wrong KV bytes because of an injection); a "
+        "collateral abort is one of a request that only held a page an injection involved, its "
+        "own KV intact (its output would have matched), and a victim of none. A victim of "
+        "`cross_tenant` that completes counts as escaped (another tenant's KV served it), "
+        "whatever its tokens.",
         "",
     ]
     lines += _noise_table(report)
+    lines += _aborts_table(report)
+    lines += _tenant_lines(report)
     lines += ["## Detection matrix (injections by class and outcome)", ""]
     for c in report["configs"]:
         lines += _matrix(c)
@@ -202,11 +219,13 @@ def markdown(report: dict) -> str:
     lines += [
         "## Outcome definitions",
         "",
-        "Injection outcomes: **detected** (a victim was aborted by kvguard), **escaped** (a victim "
+        "Injection outcomes: **detected** (a victim was aborted by kvguard), **refused** (the "
+        "guard refused the bad prefix-cache hit, so nothing read it), **escaped** (a victim "
         "served a wrong output and none was aborted), **masked** (victims served the reference "
         "output), **near_tie** (a victim's output differs only from a near-tie step on), "
         "**unscored** (its only victims were dropped by their client or failed), "
-        "**no_victim** (the touched KV was never read by a running request), **skipped** "
+        "**no_victim** (the touched KV was never read by a running request), **not_landed** (a "
+        "stale write that never found a reader), **skipped** "
         "(no fitting moment within max_tries scheduler steps), **not_run** (still queued at the "
         "end). Steps to abort: forward passes from the one the corruption was injected before to "
         "the one kvguard flagged it. For `canary` (SGLang's kv-canary in log mode: it never "
@@ -236,6 +255,56 @@ def _noise_table(report: dict) -> list[str]:
         out.append(
             f"| {c['mode']} ps{c['page_size']} | {n['against']} | {n['identical']} | "
             f"{n['near_tie']} | {n['escaped']} |"
+        )
+    return out + [""]
+
+
+def _aborts_table(report: dict) -> list[str]:
+    rows = [
+        (c, cls, a) for c in report["configs"] for cls, a in c["summary"]["aborts_by_class"].items()
+    ]
+    if not rows:
+        return []
+    out = [
+        "## Aborts per injection, by class",
+        "",
+        "Victims aborted: requests an injection harmed (read or would read wrong KV); "
+        "collateral: requests only exposed to it (held a page involved, own KV intact), aborted.",
+        "",
+        "| configuration | class | injections run | aborts | victims aborted | collateral | "
+        "aborts per injection |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for c, cls, a in rows:
+        n = a.get("injections", 0)
+        per = f"{a.get('aborts', 0) / n:.2f}" if n else ""
+        out.append(
+            f"| {c['mode']} ps{c['page_size']} | {cls} | {n} | {a.get('aborts', 0)} | "
+            f"{a.get('victims_aborted', 0)} | {a.get('collateral', 0)} | {per} |"
+        )
+    return out + [""]
+
+
+def _tenant_lines(report: dict) -> list[str]:
+    if not report["settings"].get("tenant_isolation"):
+        return []
+    out = [
+        "## Tenants",
+        "",
+        "Served with `--kvguard-tenant-isolation`; the workload's requests carry prefix-cache "
+        "namespaces (`extra_key`, `cache_salt`). Clean passes (no injection): requests served "
+        "a prefix-cache hit.",
+        "",
+        "| configuration | prefix hits | of them with a tenant | requests with a tenant | "
+        "clean-pass aborts |",
+        "| --- | --- | --- | --- | --- |",
+    ]
+    for c in report["configs"]:
+        cl = c.get("clean") or {}
+        out.append(
+            f"| {c['mode']} ps{c['page_size']} | {cl.get('prefix_hits', '')} | "
+            f"{cl.get('tenant_prefix_hits', '')} | {cl.get('tenant_requests', '')} | "
+            f"{cl.get('guard_aborts', '')} |"
         )
     return out + [""]
 
@@ -303,7 +372,9 @@ def _problems(report: dict) -> list[str]:
         if c["mode"] in ("off", "canary"):
             continue
         bad = [
-            r for r in c.get("requests", []) if r["outcome"] in ("escaped", "false_abort", "error")
+            r
+            for r in c.get("requests", [])
+            if r["outcome"] in ("escaped", "false_abort", "collateral", "error")
         ]
         if not bad and not c.get("deaths") and not c.get("error"):
             continue
@@ -314,6 +385,8 @@ def _problems(report: dict) -> list[str]:
             out.append(
                 f"- {r['rid']} (wave {r['wave']}): {r['outcome']}; victim of {r['victim_of']} "
                 f"{r['classes']}"
+                + (f"; exposed to {r['exposed_to']}" if r.get("exposed_to") else "")
+                + ("; served another tenant's KV" if r.get("leak") else "")
                 + (f"; first differing token {r['first_diff']}" if "first_diff" in r else "")
                 + (f", top-2 margins (clean, this run) {r['margins']}" if "margins" in r else "")
                 + (f"; guard {r['violation']} {r.get('guard_kinds')}" if r.get("violation") else "")
@@ -335,11 +408,13 @@ def _problems(report: dict) -> list[str]:
 # -- png ------------------------------------------------------------------------------------------
 COLORS = {
     "detected": (46, 160, 67),
+    "refused": (120, 190, 120),
     "escaped": (218, 54, 51),
     "near_tie": (240, 160, 60),
     "masked": (160, 160, 160),
     "unscored": (190, 200, 230),
     "no_victim": (210, 210, 210),
+    "not_landed": (225, 215, 225),
     "skipped": (240, 228, 180),
     "not_run": (245, 245, 245),
     "injector_error": (120, 60, 160),
@@ -375,7 +450,8 @@ def draw_png(report: dict, path: Path) -> None:
         d.text(
             (x0, y0),
             f"{c['mode']} ps{c['page_size']}: escaped {req['escaped']}, false aborts "
-            f"{req['false_abort']}, deaths {s['server_deaths']}",
+            f"{req['false_abort']}, collateral {req.get('collateral', 0)}, deaths "
+            f"{s['server_deaths']}",
             fill="black",
         )
         most = (

@@ -10,7 +10,10 @@ the shapes that make a KV cache work hard:
   written in an earlier wave, or on its evicted remains);
 - mixed lengths, many longer than the chunked-prefill size, more KV in flight than the pool holds
   (eviction, retraction);
-- client aborts: a few streamed requests the client drops mid-flight (not scored).
+- client aborts: a few streamed requests the client drops mid-flight (not scored);
+- tenants (only when asked, for tenant isolation): each request has a prefix-cache namespace
+  (none, ``cache_salt``, ``extra_key`` or both), a conversation keeps its tenant, and the shared
+  headers are picked whatever the tenant, so the same prefix arrives under several tenants.
 
 Schedule: ``num_injections`` entries spread over the waves, classes dealt round-robin from a
 seeded shuffle so every class gets its share. Every configuration of a campaign (guard mode, page
@@ -56,7 +59,15 @@ _SOURCES = (
     "zipfile.py",
 )
 MAX_NEW_TOKENS = (4, 8, 8, 12, 16, 16, 24, 32)
-EXTEND_CLASSES = ("read_before_ready", "stale_prefix", "never_written")  # need a prefix-hit prefill
+EXTEND_CLASSES = (  # need a prefix-hit prefill
+    "read_before_ready",
+    "stale_prefix",
+    "never_written",
+    "cross_tenant",
+)
+TENANT_CLASSES = ("cross_tenant",)  # need tenants in the workload and tenant isolation on
+# (extra_key, cache_salt): SGLang's namespace fields, alone and together; (None, None) is none.
+TENANTS = ((None, None), (None, "tenant-a"), ("tenant-b", None), ("tenant-c", "salt-c"))
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,6 +79,8 @@ class RequestSpec:
     conversation: int | None = None  # multi-turn: same conversation, later turn extends earlier
     turn: int = 0
     cancel_after_chunks: int | None = None  # client abort: drop the stream after N chunks
+    extra_key: str | None = None  # prefix-cache namespace (SGLang's extra_key / cache_salt)
+    cache_salt: str | None = None
 
 
 @dataclass(slots=True)
@@ -102,24 +115,30 @@ def _snippet(rng: random.Random, corpus: list[list[str]], min_chars: int, max_ch
     return "\n".join(out)[:want] + "\n"
 
 
-def build_workload(seed: int, num_requests: int, wave_size: int = 24) -> list[Wave]:
-    """``num_requests`` requests in waves of about ``wave_size`` (16..32 around it)."""
+def build_workload(
+    seed: int, num_requests: int, wave_size: int = 24, tenants: bool = False
+) -> list[Wave]:
+    """``num_requests`` requests in waves of about ``wave_size`` (16..32 around it); with
+    ``tenants``, each request in one of ``TENANTS`` (drawn from a generator of its own, so the
+    prompts of a seed are the same either way)."""
     rng = random.Random(f"kvguard-fuzz-workload-{seed}")
+    tenant_rng = random.Random(f"kvguard-fuzz-tenants-{seed}")
     corpus = _corpus()
     headers = [_snippet(rng, corpus, 100, 320) for _ in range(6)]  # shared module headers
-    open_convs: list[tuple[int, str, int]] = []  # (conversation, prompt so far, turn)
+    open_convs: list[tuple[int, str, int, tuple]] = []  # (conversation, prompt, turn, tenant)
     waves: list[Wave] = []
     next_conv = 0
     made = 0
     while made < num_requests:
         w = Wave(len(waves))
         size = min(num_requests - made, max(1, rng.randint(wave_size * 2 // 3, wave_size * 4 // 3)))
-        later: list[tuple[int, str, int]] = []
+        later: list[tuple[int, str, int, tuple]] = []
         for j in range(size):
             kind = rng.random()
             conv, turn = None, 0
+            tenant = tenant_rng.choice(TENANTS) if tenants else (None, None)
             if kind < 0.35 and open_convs:  # next turn of an earlier conversation
-                conv, prev, turn = open_convs.pop(rng.randrange(len(open_convs)))
+                conv, prev, turn, tenant = open_convs.pop(rng.randrange(len(open_convs)))
                 turn += 1
                 text = prev + _snippet(rng, corpus, 20, 100) + _snippet(rng, corpus, 20, 150)
             elif kind < 0.70:  # shared header + own tail
@@ -129,7 +148,7 @@ def build_workload(seed: int, num_requests: int, wave_size: int = 24) -> list[Wa
             if conv is None and rng.random() < 0.4:
                 conv, next_conv = next_conv, next_conv + 1
             if conv is not None and turn < 3 and len(text) < 1200:
-                later.append((conv, text, turn))
+                later.append((conv, text, turn, tenant))
             cancel = rng.randint(1, 3) if rng.random() < 0.06 else None
             w.requests.append(
                 RequestSpec(
@@ -140,6 +159,7 @@ def build_workload(seed: int, num_requests: int, wave_size: int = 24) -> list[Wa
                     conv,
                     turn,
                     cancel,
+                    *tenant,
                 )
             )
         open_convs.extend(later)

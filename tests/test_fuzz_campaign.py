@@ -1,6 +1,8 @@
-"""A short fault-injection campaign against a real kvguard-serve (paranoid, page size 16): every
-injected corruption must be aborted or harmless, no clean request aborted, the server alive and
-no KV held once idle. ~3-5 min on two loaded cores (one server start, two passes of the workload).
+"""Short fault-injection campaigns against a real kvguard-serve (page size 16): every injected
+corruption must be aborted or harmless, no clean request aborted, no request aborted that only
+held a page an injection involved (collateral), the server alive and no KV held once idle; and
+the tenant barrier (cross_tenant) holding. ~3-5 min each on two loaded cores (one server start,
+two passes of the workload).
 
 The full campaign (see fuzz/results/report.md for the command) runs the same code at scale."""
 
@@ -8,6 +10,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 from tiny_model import serving_model
 
 from kvguard.fuzz.campaign import Settings
@@ -15,47 +18,122 @@ from kvguard.fuzz.cli import run_campaign
 from kvguard.fuzz.client import Response
 from kvguard.fuzz.injectors import INJECTORS
 from kvguard.fuzz.oracle import classify, compare, injections_from_log
-from kvguard.fuzz.workload import build_workload, schedule_injections
+from kvguard.fuzz.workload import TENANTS, build_workload, schedule_injections
 
 
 def test_schedule_is_a_function_of_the_seed():
     def plan(seed):
         waves = build_workload(seed, 120, 24)
-        schedule_injections(seed, waves, 20, list(INJECTORS))
+        schedule_injections(seed, waves, 2 * len(INJECTORS), list(INJECTORS))
         return [(w.index, [r.text for r in w.requests], w.injections) for w in waves]
 
     assert plan(3) == plan(3)
     assert plan(3) != plan(4)
     classes = [e["cls"] for _, _, entries in plan(3) for e in entries]
-    assert sorted(set(classes)) == sorted(INJECTORS)  # 20 entries: every class twice
+    assert sorted(set(classes)) == sorted(INJECTORS)  # every class twice
     assert all(classes.count(c) == 2 for c in INJECTORS)
+
+
+def test_workload_tenants_share_prefixes_across_tenants():
+    """With tenants the prompts are the seed's prompts; every namespace shape occurs; a shared
+    header reaches several tenants (cross-tenant repeats), a conversation keeps its tenant."""
+    plain = build_workload(5, 200, 24)
+    waves = build_workload(5, 200, 24, tenants=True)
+    reqs = [r for w in waves for r in w.requests]
+    assert [r.text for r in reqs] == [r.text for w in plain for r in w.requests]
+    assert {(r.extra_key, r.cache_salt) for r in reqs} == set(TENANTS)
+    by_head: dict[str, set] = {}
+    for r in reqs:
+        by_head.setdefault(r.text[:100], set()).add((r.extra_key, r.cache_salt))
+    assert max(len(t) for t in by_head.values()) >= 3
+    by_conv: dict[int, set] = {}
+    for r in reqs:
+        if r.conversation is not None:
+            by_conv.setdefault(r.conversation, set()).add((r.extra_key, r.cache_salt))
+    assert all(len(t) == 1 for t in by_conv.values())
+    assert all(r.extra_key is None and r.cache_salt is None for w in plain for r in w.requests)
 
 
 def test_oracle_outcomes():
     ref = {
         k: (v, None)
-        for k, v in {"a": [1, 2], "b": [3, 4], "c": [5, 6], "d": [7, 8], "e": [9, 9]}.items()
+        for k, v in {
+            "a": [1, 2],
+            "b": [3, 4],
+            "c": [5, 6],
+            "d": [7, 8],
+            "e": [9, 9],
+            "f": [2, 2],
+            "g": [4, 4],
+            "h": [6, 6],
+        }.items()
     }
     responses = [
         Response("i-a", "a", 1, status=200, output_ids=[1, 2]),  # victim, unharmed
         Response("i-b", "b", 1, status=500, violation="kvg-1"),  # victim, aborted
         Response("i-c", "c", 1, status=200, output_ids=[5, 0]),  # wrong output
-        Response("i-d", "d", 1, status=500, violation="kvg-2"),  # aborted, not a victim
+        Response("i-d", "d", 1, status=500, violation="kvg-2"),  # aborted, untouched
         Response("i-e", "e", 1, status=200, output_ids=[9], client_abort=True),
+        Response("i-f", "f", 1, status=500, violation="kvg-3"),  # aborted, only exposed
+        Response("i-g", "g", 1, status=200, output_ids=[4, 4]),  # exposed, completed
+        Response("i-h", "h", 1, status=200, output_ids=[6, 6]),  # read another tenant's KV
     ]
     events = [
         {"event": "injected", "id": 1, "cls": "bit_flip", "at_step": 10, "victims": ["i-a"]},
-        {"event": "injected", "id": 2, "cls": "table_swap", "at_step": 12, "victims": ["i-b"]},
-        {"event": "injected", "id": 3, "cls": "stale_writer", "at_step": 13, "victims": []},
+        {
+            "event": "injected",
+            "id": 2,
+            "cls": "premature_free",
+            "at_step": 12,
+            "victims": ["i-b"],
+            "exposed": [],
+        },
+        {
+            "event": "victims",
+            "id": 2,
+            "cls": "premature_free",
+            "at_step": 13,
+            "victims": ["i-b"],
+            "exposed": ["i-f", "i-g"],
+        },
+        {
+            "event": "injected",
+            "id": 3,
+            "cls": "stale_writer",
+            "at_step": 13,
+            "victims": [],
+            "pending": True,
+        },
         {"event": "landed", "id": 3, "cls": "stale_writer", "at_step": 15, "victims": ["i-c"]},
         {"event": "skipped", "id": 4, "cls": "never_written", "step": 30},
+        {
+            "event": "injected",
+            "id": 6,
+            "cls": "cross_tenant",
+            "at_step": 31,
+            "victims": ["i-h"],
+            "why": {"i-h": "read another tenant's KV"},
+        },
+        {
+            "event": "injected",
+            "id": 7,
+            "cls": "cross_tenant",
+            "at_step": 33,
+            "victims": [],
+            "detail": {"refused": True},
+        },
+        {
+            "event": "injected",
+            "id": 8,
+            "cls": "stale_writer",
+            "at_step": 34,
+            "victims": [],
+            "pending": True,
+        },
     ]
-    planned = [
-        {"id": i, "cls": c}
-        for i, c in enumerate(
-            ["bit_flip", "table_swap", "stale_writer", "never_written", "bit_flip"], 1
-        )
-    ]
+    classes = ["bit_flip", "premature_free", "stale_writer", "never_written", "bit_flip"]
+    classes += ["cross_tenant", "cross_tenant", "stale_writer"]
+    planned = [{"id": i, "cls": c} for i, c in enumerate(classes, 1)]
     injections = injections_from_log(events, planned)
     records, injections = classify(
         ref, responses, injections, {"i-b": {"step": 14, "request": "i-b"}}
@@ -66,15 +144,24 @@ def test_oracle_outcomes():
         "escaped",
         "false_abort",
         "client_abort",
+        "collateral",
+        "clean",
+        "escaped",  # identical tokens, but served from another tenant's KV
     ]
     assert records[1]["steps_to_abort"] == 2
-    assert [injections[i]["outcome"] for i in range(1, 6)] == [
+    assert records[5]["exposed_to"] == [2] and records[7]["leak"]
+    assert [injections[i]["outcome"] for i in range(1, 9)] == [
         "masked",
         "detected",
         "escaped",
         "skipped",
         "not_run",
+        "escaped",
+        "refused",
+        "not_landed",
     ]
+    assert (injections[2]["aborts"], injections[2]["victims_aborted"]) == (2, 1)
+    assert injections[2]["collateral"] == 1
 
 
 def test_near_tie_is_not_an_escape():
@@ -90,24 +177,29 @@ def test_near_tie_is_not_an_escape():
     assert compare(([5, 7, 9], top), ([5, 4, 9], three_way))[0] == "near_tie"
 
 
-def test_short_campaign_paranoid(tmp_path):
+def _campaign(tmp_path, **kw) -> tuple[dict, str]:
     model, _ = serving_model()
     s = Settings(
-        seed=11,
-        classes=tuple(INJECTORS),
-        num_requests=96,
-        num_injections=10,
-        modes=("paranoid",),
-        page_sizes=(16,),
-        out=tmp_path,
-        model_path=str(model),
-        wave_size=24,
-        max_tries=60,
+        **{
+            "num_requests": 96,
+            "modes": ("paranoid",),
+            "page_sizes": (16,),
+            "out": tmp_path,
+            "model_path": str(model),
+            "wave_size": 24,
+            "max_tries": 60,
+            **kw,
+        }
     )
-    report = run_campaign(s, progress=False)
+    run_campaign(s, progress=False)
     assert {p.name for p in tmp_path.iterdir()} >= {"report.json", "report.md", "report.png"}
     cfg = json.loads((tmp_path / "report.json").read_text())["configs"][0]
-    summary, where = cfg["summary"], f"see {tmp_path / 'report.md'}"
+    return cfg, f"see {tmp_path / 'report.md'}"
+
+
+def _no_harm(cfg: dict, where: str) -> None:
+    """No wrong output out, no healthy request aborted, nothing failed, server alive, no leak."""
+    summary = cfg["summary"]
     assert not cfg.get("start_error") and not cfg.get("error"), (
         cfg.get("error") or cfg.get("start_error"),
         where,
@@ -120,10 +212,49 @@ def test_short_campaign_paranoid(tmp_path):
     assert summary["requests"]["false_abort"] == 0 and summary["clean_pass_guard_aborts"] == 0, (
         where
     )
+    # a request whose own KV was intact (it only held a page an injection involved) is not aborted
+    assert summary["requests"]["collateral"] == 0, (
+        [r for r in cfg["requests"] if r["outcome"] == "collateral"][:5],
+        summary["aborts_by_class"],
+        where,
+    )
     assert summary["requests"]["error"] == 0, (
         [r for r in cfg["requests"] if r["outcome"] == "error"][:5],
         where,
     )
     assert summary["idle_used_tokens_end"] == 0, where
-    assert summary["injections"]["detected"] >= 3, (summary["injections"], where)
-    assert report["configs"][0]["verdict"] == []
+    assert cfg["verdict"] == [], where
+
+
+@pytest.mark.campaign
+def test_short_campaign_paranoid(tmp_path):
+    """Every class, one injection each (cross_tenant too: tenants in the workload, isolation on)."""
+    cfg, where = _campaign(
+        tmp_path, seed=11, classes=tuple(INJECTORS), num_injections=11, tenant_isolation=True
+    )
+    _no_harm(cfg, where)
+    assert cfg["summary"]["injections"]["detected"] >= 3, (cfg["summary"]["injections"], where)
+
+
+@pytest.mark.campaign
+def test_tenant_barrier_holds(tmp_path):
+    """cross_tenant: SGLang's prefix cache hands tenant A's pages to tenant B (a namespace collision
+    in the lookup). With isolation on, every such hit is refused or its reader aborted (a reader
+    that completes is a leak, counted escaped), and in the clean pass same-tenant reuse still hits
+    with no request aborted."""
+    cfg, where = _campaign(
+        tmp_path,
+        seed=12,
+        classes=("cross_tenant",),
+        num_injections=6,
+        modes=("sampled",),
+        tenant_isolation=True,
+    )
+    _no_harm(cfg, where)
+    outcomes = cfg["summary"]["injections"]
+    assert outcomes["detected"] + outcomes["refused"] >= 3, (outcomes, where)
+    assert outcomes["detected"] + outcomes["refused"] == sum(
+        v for k, v in outcomes.items() if k not in ("skipped", "not_run")
+    ), (outcomes, where)
+    clean = cfg["clean"]
+    assert clean["tenant_prefix_hits"] > 0 and clean["guard_aborts"] == 0, (clean, where)

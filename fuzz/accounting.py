@@ -1,0 +1,302 @@
+"""Who an injection harmed. Per injection, two sets of request ids:
+
+- **victims**: requests that read, or would read, wrong KV bytes because of it (and the writer
+  whose own mapping an injection made wrong);
+- **exposed**: requests that only hold a page involved while their own KV stays intact (the new
+  owner of a prematurely freed page, the other sharers of a page a bad write aimed at, ...).
+
+A guard abort of a victim is a detection; of a request that is only exposed, a collateral abort.
+
+How: every injection watches some pages, and the tracker keeps, for each watched slot, what the
+slot really holds (``Content``): KV a request wrote for itself at one position, or bytes that are
+nobody's (a flipped bit, a page never written, a load not landed). Every scheduler step it
+follows the batch's writes into watched slots and asks of every live request holding a watched
+page: is what each of its positions maps to the KV it computed (or would compute) there? Two KV
+rows are the same when their writers had the same token prefix at the same position in the same
+prefix-cache namespace: exactly what SGLang's prefix cache relies on. A request reading a page
+that sits on the free list would read whatever its next owner writes: a victim already. A victim
+that reads wrong KV in a forward writes KV computed from it from then on: those rows are wrong
+for anyone who adopts them later (a prefix-cache hit on them), and are followed too.
+
+The plugin runs this inside the scheduler, before and after each forward; nothing here asks the
+guard anything.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+import torch
+
+from kvguard.fuzz import kvbytes
+
+
+# -- what a slot holds -------------------------------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class Written:
+    """The KV ``req`` computed for itself at ``pos`` (its tokens are read when compared: under the
+    overlap scheduler a decode step's input token is not on the host yet when it is written)."""
+
+    ns: tuple
+    pos: int
+    req: object
+    poisoned: bool = False  # computed while reading wrong KV: wrong for every reader
+
+
+@dataclass(frozen=True, slots=True)
+class Garbage:
+    """Bytes that are no request's KV (a flipped bit, a never-written page, a load in flight)."""
+
+    why: str
+
+
+Content = Written | Garbage
+OK, WRONG, FOREIGN = "ok", "wrong", "foreign"  # FOREIGN: the right tokens, another tenant's KV
+
+
+def namespace(req) -> tuple:
+    """SGLang's prefix-cache namespace of a request (its radix key besides the tokens)."""
+    return (getattr(req, "extra_key", None), getattr(req, "cache_salt", None) or None)
+
+
+def written_by(req, pos: int, committed: int | None = None) -> Content:
+    """What slot ``pos`` of ``req``'s row holds now: its own KV once written, else garbage."""
+    if committed is None:
+        committed = req.kv.kv_committed_len
+    return Written(namespace(req), pos, req) if pos < committed else Garbage("unwritten")
+
+
+class Tokens:
+    """Token ids of requests (prompt + output so far), built once per step and only when two
+    different writers are compared."""
+
+    def __init__(self):
+        self._ids: dict[int, list[int]] = {}
+        self._common: dict[tuple[int, int], int] = {}
+
+    def of(self, req) -> list[int]:
+        ids = self._ids.get(id(req))
+        if ids is None:
+            ids = self._ids[id(req)] = list(req.origin_input_ids) + list(req.output_ids)
+        return ids
+
+    def common(self, a, b) -> tuple[int, int]:
+        """(length of the common prefix, length known for both)."""
+        key = (id(a), id(b))
+        ta, tb = self.of(a), self.of(b)
+        if key not in self._common:
+            self._common[key] = len(os.path.commonprefix([ta, tb]))
+        return self._common[key], min(len(ta), len(tb))
+
+
+def judge(content: Content, reader, pos: int, tokens: Tokens) -> str:
+    """Is ``content`` the KV ``reader`` needs at ``pos``? OK, WRONG, or FOREIGN (the same tokens
+    written under another namespace: right bytes, another tenant's cache)."""
+    if isinstance(content, Garbage) or content.poisoned or content.pos != pos:
+        return WRONG
+    if content.req is not reader:
+        same, known = tokens.common(content.req, reader)
+        if same < min(known, pos + 1):
+            return WRONG
+    return OK if content.ns == namespace(reader) else FOREIGN
+
+
+# -- one step as the tracker sees it ----------------------------------------------------------------
+@dataclass(slots=True)
+class Holder:
+    req: object
+    rid: str
+    in_batch: bool
+    committed: int  # positions [0, committed) are written (or written by this forward): read
+    slots: list[tuple[int, int]] = field(default_factory=list)  # (watched slot, row position)
+
+
+def live_requests(sched, batch) -> list:
+    """Requests that hold KV now: the batch's, the running batch's, the waiting queue's and a
+    chunked prefill between its chunks."""
+    seen, out = set(), []
+    batch_reqs = list(batch.reqs) if batch is not None else []
+    chunked = getattr(sched, "chunked_req", None)
+    for req in (
+        batch_reqs
+        + list(getattr(sched.running_batch, "reqs", []) or [])
+        + list(sched.waiting_queue)
+        + ([chunked] if chunked is not None else [])
+    ):
+        if id(req) in seen or not req.kv.holds_kv or req.finished():
+            continue
+        seen.add(id(req))
+        out.append(req)
+    return out
+
+
+def batch_writes(batch) -> list[tuple[object, int, int]]:
+    """(request, position, slot) of every KV row this forward writes, from ``out_cache_loc``."""
+    if batch is None or batch.out_cache_loc is None or not batch.reqs:
+        return []
+    slots = batch.out_cache_loc.to(torch.int64).tolist()
+    mode = batch.forward_mode
+    if mode.is_decode():
+        positions = (batch.seq_lens.to(torch.int64) - 1).tolist()
+        return list(zip(batch.reqs, positions, slots))
+    if not mode.is_extend() or batch.prefix_lens is None or batch.extend_lens is None:
+        return []
+    out, i = [], 0
+    for req, start, n in zip(batch.reqs, batch.prefix_lens, batch.extend_lens):
+        out += [(req, start + j, slots[i + j]) for j in range(n)]
+        i += n
+    return out
+
+
+class Scan:
+    """One step: which live requests hold which watched slots, what the batch writes, which
+    watched pages sit on the free list."""
+
+    def __init__(self, sched, batch, pages: set[int]):
+        self.ps = sched.token_to_kv_pool_allocator.page_size
+        self.tokens = Tokens()
+        self.writes: list[tuple[object, int, int]] = []
+        self.holders: list[Holder] = []
+        self.free: set[int] = set()
+        if not pages:
+            return  # nothing watched: a step costs the plugin nothing more
+        self.writes = batch_writes(batch)
+        watched = torch.tensor(sorted(pages), dtype=torch.int64)
+        in_batch = {id(r) for r in (batch.reqs if batch is not None else [])}
+        table = sched.req_to_token_pool.req_to_token
+        for req in live_requests(sched, batch):
+            row = table[req.kv.req_pool_idx, : req.kv.kv_allocated_len].to(torch.int64)
+            hit = torch.nonzero(torch.isin(row // self.ps, watched)).reshape(-1)
+            if hit.numel():
+                h = Holder(req, req.rid, id(req) in in_batch, req.kv.kv_committed_len)
+                h.slots = list(zip(row[hit].tolist(), hit.tolist()))
+                self.holders.append(h)
+        alloc = sched.token_to_kv_pool_allocator
+        free = alloc.get_all_free_pages() if hasattr(alloc, "get_all_free_pages") else None
+        if free is not None and free.numel():
+            on_list = torch.isin(watched, free.to(torch.int64).cpu())
+            self.free = set(watched[on_list].tolist())
+
+
+# -- one injection's watch ------------------------------------------------------------------------------
+SETTLE_STEPS = 48  # an incident stays open this long after its last new victim (or its injection)
+
+
+class Watch:
+    """The pages one injection touched, what their slots hold, and whom it harmed so far.
+
+    Holders of a watched page count as exposed while the incident is open: while one of its
+    victims still runs, or within ``SETTLE_STEPS`` of its last new victim. Later holders of a
+    page long since reused are nobody's business; late victims (a prefix-cache hit on wrong KV)
+    are still found, and reopen it."""
+
+    def __init__(
+        self, page_size: int, step: int, contents: dict[int, Content], pages=(), victims=()
+    ):
+        self.ps = page_size
+        self.contents = dict(contents)  # watched slot -> what it holds
+        self.pages = {s // page_size for s in self.contents} | set(pages)
+        self.victims: dict[str, str] = dict.fromkeys(victims, "writer")  # rid -> why
+        self.exposed: set[str] = set()
+        self.transient: dict[int, Content] = {}  # what this forward's readers see (in flight)
+        self.foreign: dict[str, object] = {}  # rid -> writer whose writes here may be dropped
+        self.poisoned: dict[str, object] = {}  # rid -> request computing from wrong KV
+        self.last_event = step
+        self._running: dict[str, object] = {}  # victims by rid, to tell whether one still runs
+        self._checks: list[tuple[int, Content]] = []  # foreign writes: did the bytes change?
+        self._saved: list[torch.Tensor] | None = None
+
+    def reopen(self, step: int) -> None:
+        self.last_event = step
+
+    def is_open(self, step: int) -> bool:
+        if step - self.last_event < SETTLE_STEPS:
+            return True
+        return any(r.kv.holds_kv and not r.finished() for r in self._running.values())
+
+    # before the forward
+    def before_forward(self, scan: Scan, pool, step: int) -> bool:
+        """Follow this forward's writes into watched slots, then judge every holder. True when
+        the victim or exposed set grew."""
+        self._checks = []
+        for req, pos, slot in scan.writes:
+            if slot // self.ps in self.pages and req.rid not in self.poisoned:
+                content = Written(namespace(req), pos, req)
+                if req.rid in self.foreign:
+                    self._checks.append((slot, content))  # lands unless something drops it
+                else:
+                    self.contents[slot] = content
+        if self._checks:
+            slots = torch.tensor([s for s, _ in self._checks], dtype=torch.int64)
+            self._saved = kvbytes.snapshot(pool, slots)
+        grew = self._judge(scan, step)
+        self._poison_writes(scan)
+        self.transient = {}
+        return grew
+
+    def after_forward(self, scan: Scan, pool, step: int) -> bool:
+        """Foreign writes that landed now hold their writer's KV; judge this forward's readers
+        of them again (they read it in this very forward, after the write)."""
+        if not self._checks:
+            return False
+        slots = torch.tensor([s for s, _ in self._checks], dtype=torch.int64)
+        landed = kvbytes.changed(pool, slots, self._saved).tolist()
+        for (slot, content), hit in zip(self._checks, landed):
+            if hit:
+                self.contents[slot] = content
+        self._checks, self._saved = [], None
+        if not any(landed):
+            return False
+        grew = self._judge(scan, step)
+        self._poison_writes(scan)
+        return grew
+
+    def _poison_writes(self, scan: Scan) -> None:
+        """What a request reading wrong KV writes in this forward is wrong for whoever adopts it
+        later (a prefix-cache hit on it): watched from now on."""
+        for req, pos, slot in scan.writes:
+            if req.rid in self.poisoned:
+                self.pages.add(slot // self.ps)
+                self.contents[slot] = Written(namespace(req), pos, req, poisoned=True)
+
+    def _judge(self, scan: Scan, step: int) -> bool:
+        before = (len(self.victims), len(self.exposed))
+        exposing = self.is_open(step)
+        for h in scan.holders:
+            mine = [(s, p) for s, p in h.slots if s // self.ps in self.pages]
+            if not mine:
+                continue
+            why = self._harm(h, mine, scan)
+            if why is not None:
+                if h.rid not in self.victims:
+                    self.victims[h.rid] = why
+                    self.reopen(step)
+                self._running[h.rid] = h.req
+            elif exposing:
+                self.exposed.add(h.rid)
+        return (len(self.victims), len(self.exposed)) != before
+
+    def _harm(self, h: Holder, mine: list[tuple[int, int]], scan: Scan) -> str | None:
+        """Why this holder reads (or will read) wrong KV through a watched page; None if not."""
+        why = None
+        for slot, pos in mine:
+            if pos >= h.committed:
+                continue  # allocated, not written yet: not read
+            if slot // self.ps in scan.free:
+                why = why or "page on the free list"  # its next owner overwrites it
+            content = (self.transient.get(slot) if h.in_batch else None) or self.contents.get(slot)
+            if content is None:
+                continue  # what this slot holds is not known: not judged
+            verdict = judge(content, h.req, pos, scan.tokens)
+            if verdict == WRONG:
+                if h.in_batch:
+                    self.poisoned.setdefault(h.rid, h.req)  # it reads it in this forward
+                return "read wrong KV"
+            if verdict == FOREIGN:
+                why = why or "read another tenant's KV"
+        return why
+
+    @property
+    def only_exposed(self) -> list[str]:
+        return sorted(self.exposed - set(self.victims))
