@@ -6,6 +6,7 @@ A version bump that renames any of them fails here, in seconds, instead of insid
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib
 import inspect
 import pkgutil
@@ -76,6 +77,11 @@ def _sglang_classes(cls: type) -> list[type]:
     return [c for c in cls.__mro__ if c.__module__.startswith("sglang.")]
 
 
+@functools.cache
+def _source(klass: type) -> str:
+    return inspect.getsource(klass)
+
+
 def _declares(cls: type, name: str) -> bool:
     """``name`` is an instance attribute of ``cls``: a class-level name or property, an annotated
     field (dataclass, NamedTuple, msgspec), or assigned ``self.<name> =`` in a class's source."""
@@ -85,7 +91,7 @@ def _declares(cls: type, name: str) -> bool:
     for klass in _sglang_classes(cls):
         if name in getattr(klass, "__annotations__", {}):
             return True
-        if assigned.search(inspect.getsource(klass)):
+        if assigned.search(_source(klass)):
             return True
     return False
 
