@@ -184,7 +184,6 @@ class SyntheticPool:
         view = StepView(
             step=self.step,
             rows=torch.tensor([r.row for r in reqs], dtype=torch.int64),
-            prefix_lens=torch.tensor([r.length for r in reqs], dtype=torch.int64),
             prefix_lens_host=[r.length for r in reqs],
             write_slots=torch.tensor(slots_all, dtype=torch.int64),
             write_batch=torch.tensor(batch_all, dtype=torch.int64),

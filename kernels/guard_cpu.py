@@ -196,8 +196,7 @@ class CpuKernels:
         self._turn ^= 1
         ws.fit(max(B, 1), max(N, 1), T)
         rows = _need(x.rows, _I64, "rows")
-        lens = x.prefix_lens_host if x.prefix_lens_host is not None else x.prefix_lens.tolist()
-        host_lens = array("q", lens)
+        host_lens = array("q", x.prefix_lens_host)
         wslots = x.write_slots
         if wslots.dtype != _I64 or not wslots.is_contiguous():
             raise ValueError(

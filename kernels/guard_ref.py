@@ -82,7 +82,7 @@ class StepInputs:
 
     step: int
     rows: torch.Tensor  # [B] int64
-    prefix_lens: torch.Tensor  # [B] int64
+    prefix_lens_host: list[int]  # [B] positions each request reads (its KV before this forward)
     write_slots: torch.Tensor  # [N] int64: the engine's own write targets (firewalled in place)
     write_batch: torch.Tensor | None  # [N] int64 ascending; None: one write per request (decode)
     write_pos: torch.Tensor  # [N] int64
@@ -92,7 +92,6 @@ class StepInputs:
     prefix_tokens: torch.Tensor | None  # [sum L] int64 packed per request, extend steps only
     read_pages_total: int  # host: sum ceil(L / ps)
     read_tokens_total: int  # host: sum L
-    prefix_lens_host: list[int] | None = None  # host copy of prefix_lens
 
     def batch_index(self) -> torch.Tensor:
         if self.write_batch is not None:
@@ -231,7 +230,7 @@ def check_step(
     B, N, T = x.rows.numel(), x.write_slots.numel(), x.read_pages_total
     num_pages = P.state.numel()
     rows = x.rows.to(_I64)
-    L = x.prefix_lens.to(_I64)
+    L = torch.tensor(x.prefix_lens_host, dtype=_I64).to(dev)
     kinds = torch.zeros(B, dtype=_I64, device=dev)
     taint = torch.zeros(num_pages, dtype=torch.bool, device=dev)
     hashed = torch.zeros(1, dtype=_I64, device=dev)

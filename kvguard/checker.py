@@ -47,7 +47,7 @@ class StepChecker:
         return StepInputs(
             step=v.step,
             rows=v.rows,
-            prefix_lens=v.prefix_lens,
+            prefix_lens_host=v.prefix_lens_host,
             write_slots=v.write_slots,
             write_batch=v.write_batch,
             write_pos=v.write_pos,
@@ -57,7 +57,6 @@ class StepChecker:
             prefix_tokens=v.prefix_tokens,
             read_pages_total=sum((n + ps - 1) // ps for n in v.prefix_lens_host),
             read_tokens_total=sum(v.prefix_lens_host),
-            prefix_lens_host=v.prefix_lens_host,
         )
 
     def params(self, step: int, read_pages: int) -> CheckParams:

@@ -22,12 +22,13 @@ import torch
 from kvguard.actions import Actions, EngineControl
 from kvguard.checker import StepChecker
 from kvguard.config import GuardConfig, Mode
+from kvguard.kernels import guard_ref
 from kvguard.kernels.backend import GuardKernels, select
 from kvguard.ledger import PageLedger, PageState
 from kvguard.metrics import GuardMetrics
 from kvguard.records import RowRecords
 from kvguard.step import StepView
-from kvguard.verdict import Kind, StepVerdict, Violation, forensic_record
+from kvguard.verdict import Kind, StepVerdict, Violation, forensic_record, new_violation_id
 
 Agreement = Callable[[torch.Tensor], torch.Tensor]
 
@@ -169,12 +170,36 @@ class Guard:
         self._account(t0)
         return violations
 
+    def resolve_failed(self, handles: list[object], agree: Agreement | None = None) -> None:
+        """The step could not be checked: abort all its requests (with tensor parallelism, after
+        the same all-reduce the other ranks make, so that they abort them too)."""
+        B, P = len(handles), self.ledger.num_pages
+        kinds = torch.full((B,), int(Kind.GUARD_ERROR), dtype=torch.int64)
+        if agree is not None:  # no taint, nothing to reclaim (reclaim travels as its complement)
+            agree(
+                torch.cat(
+                    (kinds, torch.zeros(P, dtype=torch.int64), torch.ones(P, dtype=torch.int64))
+                )
+            )
+        violations = [
+            Violation(
+                new_violation_id(), Kind.GUARD_ERROR, self.step, getattr(h, "rid", None), None
+            )
+            for h in handles
+        ]
+        self.actions.abort(violations, handles)
+
     # -- pool events ------------------------------------------------------------------------------------
     def on_alloc(self, slots: torch.Tensor) -> None:
         """The engine's allocator handed out slots: its hand-out is authoritative."""
         t0 = time.perf_counter()
         self.ledger.allocate(slots, self.step)
         self._account(t0)
+
+    @property
+    def release_row(self) -> int | None:
+        """The row of the request being released (inside ``releasing``), else None."""
+        return self._release_row
 
     @contextmanager
     def releasing(self, row: int) -> Iterator[None]:
@@ -273,6 +298,31 @@ class Guard:
         if slots is not None and tainted:
             return bool(v.check.taint[self.ledger.pages_of(slots.to(self.device))].any())
         return False
+
+    def adoptable(self, slots: torch.Tensor, tokens: list[int], seed: int = 0) -> bool:
+        """Would a reader with these prompt tokens (and chain seed) adopt these prefix-cache slots
+        (whole pages, from position 0)? The hand-off rule of the step check, asked early so the
+        engine can refuse the hit (the request prefills its own KV) instead of the guard aborting
+        it. Host reads: CPU pools only."""
+        ps, n = self.ledger.page_size, slots.numel()
+        if n == 0 or n % ps or len(tokens) < n:
+            return n == 0
+        P = self.ledger.pages
+        heads = slots[::ps].to(torch.int64).to(self.device)
+        pages = torch.div(heads, ps, rounding_mode="floor")
+        i = torch.arange(pages.numel(), device=self.device)
+        toks = torch.tensor(tokens[:n], dtype=torch.int64, device=self.device)
+        own = seed + torch.cumsum(
+            guard_ref.chain_terms(toks, torch.arange(n, device=self.device)), 0
+        )
+        ok = (
+            (heads % ps == 0)
+            & (P.state[pages] == PageState.SHARED)
+            & (P.fill[pages].to(torch.int64) == ps)
+            & (P.lpage[pages].to(torch.int64) == i)
+            & (P.chain[pages] == own[(i + 1) * ps - 1])
+        )
+        return bool(ok.all())
 
     def holds_quarantined(self, slots: torch.Tensor) -> bool:
         """Slow path (only once something was quarantined): does this slot list touch one?"""

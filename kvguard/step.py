@@ -11,8 +11,9 @@ import torch
 class StepView:
     step: int
     rows: torch.Tensor  # [B] int64: each request's page-table row
-    prefix_lens: torch.Tensor  # [B] int64: positions already in the KV before this forward (read)
-    prefix_lens_host: list[int]  # the same on the host (sizes the read check without a sync)
+    # [B] positions already in the KV before this forward (read), on the host: they size the read
+    # check without a device read
+    prefix_lens_host: list[int]
     # [N] int64: the KV slots this forward writes. The engine's own tensor: the write firewall
     # redirects a failing target to the padding slot in place, before the forward reads it.
     write_slots: torch.Tensor

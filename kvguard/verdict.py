@@ -106,38 +106,39 @@ def forensic_record(
     gen = int(records.rows.gen[row])
     suspects: dict[int, dict[str, object]] = {}
 
-    def note(page: int, why: str, **extra: object) -> None:
+    def note(page: int, why: str, position: int, slot: int, write: bool = False) -> None:
         if page not in suspects and len(suspects) >= 8:
             return
-        entry = suspects.setdefault(page, {**ledger.describe(page), "why": []})
-        reasons = entry["why"]
-        assert isinstance(reasons, list)
-        if why not in reasons:
-            reasons.append(why)
-        entry.update(extra)
+        entry = suspects.setdefault(page, {**ledger.describe(page), "positions": []})
+        positions = entry["positions"]
+        assert isinstance(positions, list)
+        if len(positions) < 8:
+            positions.append({"position": position, "slot": slot, "write": write, "why": why})
 
     heads = v.page_table[row, :n:ps].to(torch.int64).cpu().tolist() if n else []
     for i, head in enumerate(heads):
         pg = head // ps
         st, owner, og = int(P.state[pg]), int(P.owner[pg]), int(P.owner_gen[pg])
+        at = {"position": i * ps, "slot": head}
         if head % ps or int(P.lpage[pg]) != i:
-            note(pg, "misplaced", logical_page=i)
+            note(pg, "misplaced", **at)
         if st == 1 and (owner != row or og != gen):
-            note(pg, "owned_by_another_row", logical_page=i)
+            note(pg, "owned_by_another_row", **at)
         if st in (0, 4):
-            note(pg, "freed" if st == 0 else "handed_out_again", logical_page=i)
+            note(pg, "freed" if st == 0 else "handed_out_again", **at)
         if st == 3:
-            note(pg, "quarantined", logical_page=i)
+            note(pg, "quarantined", **at)
         if int(P.fill[pg]) < min(ps, n - i * ps):
-            note(pg, "unsealed_tokens", logical_page=i)
+            note(pg, "unsealed_tokens", **at)
         if bool(c.taint[pg]):
-            note(pg, "content_bad", logical_page=i)
+            note(pg, "content_bad", **at)
     mine = torch.nonzero(verdict.inputs.batch_index().cpu() == b).reshape(-1)
     for j in mine.tolist():
         if not bool(c.write_ok[j]):
-            note(int(c.targets[j]) // ps, "write_refused", write_position=int(v.write_pos[j]))
+            t = int(c.targets[j])
+            note(t // ps, "write_refused", int(v.write_pos[j]), t, write=True)
     if not suspects and heads:  # only the row's page-tag sum disagrees: a page was swapped
         for i, head in enumerate(heads[:8]):
-            note(head // ps, "row_tags_disagree", logical_page=i)
+            note(head // ps, "row_tags_disagree", i * ps, head)
     rid = v.request_ids[b] if v.request_ids else None
     return Violation(new_violation_id(), kinds, v.step, rid, row, list(suspects.values()))

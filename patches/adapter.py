@@ -1,5 +1,6 @@
 """SGLang's batches and pools as the guard sees them: a ``StepView`` per forward, the KV buffers
-by pool kind. Reads SGLang's objects; changes nothing."""
+by pool kind. Reads SGLang's objects; changes nothing (the firewall, in the guard, redirects a
+bad write target in ``out_cache_loc``)."""
 
 from __future__ import annotations
 
@@ -8,78 +9,64 @@ from array import array
 import torch
 
 from kvguard.patches import state
+from kvguard.patches.tenancy import tenant_seeds
 from kvguard.step import StepView
 
 
-def failed_verdict(batch):
-    """A verdict that aborts every request of the batch: what cannot be checked is not served."""
-    from kvguard.checker import StepVerdict
-    from kvguard.verdict import Kind
-
-    n = len(batch.reqs)
-    dev = state.guard.ledger.device
-    rows = torch.zeros(n, dtype=torch.int64, device=dev)
-    view = StepView(
-        step=state.guard.step,
-        rows=rows,
-        prefix_lens=rows,
-        max_prefix_len=0,
-        write_slots=rows[:0],
-        write_batch=rows[:0],
-        write_pos=rows[:0],
-        write_tokens=rows[:0],
-        page_table=state.scheduler.req_to_token_pool.req_to_token,
-        request_ids=[r.rid for r in batch.reqs],
-    )
-    kinds = torch.full((n,), int(Kind.GUARD_ERROR), dtype=torch.int64, device=dev)
-    return StepVerdict(
-        view=view,
-        kinds=kinds,
-        taint=torch.zeros(state.guard.ledger.num_pages, dtype=torch.bool, device=dev),
-    )
-
-
 def step_view(fb, batch, step: int) -> StepView | None:
-    """SGLang ForwardBatch -> StepView. None for batches the guard does not model (idle, spec)."""
+    """SGLang ForwardBatch -> StepView, or None for a batch that runs no model forward over KV
+    (idle). Anything else the guard does not model is refused at start (speculative decoding) or
+    counted as unchecked. On the decode path no torch operator runs here: the guard takes
+    SGLang's own tensors (the firewall redirects ``out_cache_loc`` in place)."""
     mode = fb.forward_mode
-    rows = fb.req_pool_indices.to(torch.int64)
-    if mode.is_decode():
-        prefix = fb.seq_lens.to(torch.int64) - 1
-        max_prefix = (
-            int(fb.seq_lens_cpu.max()) - 1 if fb.seq_lens_cpu is not None else int(prefix.max())
+    guard = state.guard
+    assert guard is not None
+    loc = fb.out_cache_loc
+    if loc.dtype != torch.int64:
+        raise TypeError(
+            f"out_cache_loc is {loc.dtype}; the write firewall needs SGLang's int64 slots"
         )
-        write_batch = torch.arange(rows.numel(), device=rows.device)
+    if mode.is_decode():
+        lens = fb.seq_lens_cpu.tolist() if fb.seq_lens_cpu is not None else fb.seq_lens.tolist()
+        prefix_host = [n - 1 for n in lens]
+        write_batch = None  # one token per request, in batch order
         prefix_tokens = None
     elif mode.is_extend() and fb.extend_prefix_lens is not None:
-        prefix = fb.extend_prefix_lens.to(torch.int64)
-        max_prefix = max(fb.extend_prefix_lens_cpu) if fb.extend_prefix_lens_cpu else 0
+        prefix_host = list(fb.extend_prefix_lens_cpu)
+        counts = fb.extend_seq_lens_cpu or fb.extend_seq_lens.tolist()
         write_batch = torch.repeat_interleave(
-            torch.arange(rows.numel(), device=rows.device), fb.extend_seq_lens.to(torch.int64)
+            torch.arange(len(counts), device=loc.device), fb.extend_seq_lens.to(torch.int64)
         )
         # Our own prompt's prefix tokens: a prefix-cache page is adopted only if it holds them.
         tokens = array("q")
-        for req, n in zip(batch.reqs, fb.extend_prefix_lens_cpu):
+        for req, n in zip(batch.reqs, prefix_host):
             tokens.extend(req.full_untruncated_fill_ids[:n])
         prefix_tokens = (
             torch.frombuffer(tokens, dtype=torch.int64)
             if tokens
             else torch.empty(0, dtype=torch.int64)
         )
-        prefix_tokens = prefix_tokens.to(rows.device, non_blocking=True)
+        prefix_tokens = prefix_tokens.to(loc.device, non_blocking=True)
     else:
         return None
+    rows = fb.req_pool_indices
     return StepView(
         step=step,
-        rows=rows,
-        prefix_lens=prefix,
-        max_prefix_len=max(int(max_prefix), 0),
-        write_slots=fb.out_cache_loc.to(torch.int64),
+        rows=rows if rows.dtype == torch.int64 else rows.to(torch.int64),
+        prefix_lens_host=prefix_host,
+        write_slots=loc,
         write_batch=write_batch,
-        write_pos=fb.positions.to(torch.int64),
-        write_tokens=fb.input_ids.to(torch.int64),
+        write_pos=fb.positions
+        if fb.positions.dtype == torch.int64
+        else fb.positions.to(torch.int64),
+        write_tokens=fb.input_ids
+        if fb.input_ids.dtype == torch.int64
+        else fb.input_ids.to(torch.int64),
         page_table=state.scheduler.req_to_token_pool.req_to_token,
         prefix_tokens=prefix_tokens,
+        tenant_seeds=tenant_seeds(batch.reqs, loc.device, guard.config.tenant_isolation),
         request_ids=[req.rid for req in batch.reqs],
+        pad_slot=0,  # SGLang's padding slot: written by padded tokens, read by no request
     )
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import structlog
 
 from kvguard.patches import state
+from kvguard.patches.tenancy import namespace_of, namespace_seed
 
 log = structlog.get_logger("kvguard")
 
@@ -29,10 +30,18 @@ def around_checkpoint_into_tree(original, cache, req, *args, **kwargs):
         # them: keep the request on its own pages (as if barred from the tree this once).
         log.warning("kvguard_tree_insert_skipped", request=req.rid)
         return None
+    table = state.scheduler.req_to_token_pool.req_to_token
+    start = req.kv.cache_protected_len
+    before = table[row, start : kwargs.get("up_to", start)].clone()
     out = original(cache, req, *args, **kwargs)
-    shared = req.kv.cache_protected_len if req.kv.holds_kv else kwargs.get("up_to", 0)
-    if shared:
-        state.guard.on_share(state.scheduler.req_to_token_pool.req_to_token[row, :shared])
+    if req.kv.holds_kv:
+        shared = req.kv.cache_protected_len
+        # The tree replaced the row's own copies of pages it already held by its own ones.
+        after = table[row, start : min(shared, start + before.numel())]
+        if after.numel():
+            state.guard.on_rebind(row, start, before[: after.numel()], after)
+        if shared:
+            state.guard.on_share(table[row, :shared], row)
     return out
 
 
@@ -52,23 +61,28 @@ def _insert_meets_quarantine(cache, req, up_to) -> bool:
 
 # -- UnifiedRadixCache.match_prefix (AROUND) ---------------------------------------------------------------
 def around_match_prefix(original, cache, params, *args, **kwargs):
-    """Refuse a prefix-cache hit that runs through a quarantined page: the request prefills from
-    scratch instead of being aborted, and the bad node ages out of the tree unused (its pages are
-    withheld when the tree finally frees them)."""
+    """Refuse a prefix-cache hit the guard would not let the request adopt (a page quarantined or
+    found bad, or not holding the request's own tokens: another tenant's, a stale node's): the
+    request prefills from scratch instead of being aborted, and the bad node ages out unused."""
     result = original(cache, params, *args, **kwargs)
     if not state.on() or not result.device_prefix_len:
         return result
-    quarantine = bool(state.guard.actions.num_quarantined_total)
-    pending = (
-        state.single_rank() and state.guard.unread_taint()
-    )  # pages found bad by a verdict not read yet
-    if not (quarantine or pending):
-        return result
+    guard = state.guard
+    quarantine = bool(guard.actions.num_quarantined_total)
+    pending = state.single_rank() and guard.unread_taint()  # bad pages, verdict not read yet
     slots = cache.path_device_indices(result.last_device_node)[: result.device_prefix_len]
-    if not (
-        (quarantine and state.guard.holds_quarantined(slots))
-        or (pending and state.guard.suspect_before_resolve(slots=slots))
-    ):
+    refuse = (quarantine and guard.holds_quarantined(slots)) or (
+        pending and guard.suspect_before_resolve(slots=slots)
+    )
+    if not refuse and guard.host_reads_free:
+        # The hand-off rule, asked now: pages that do not hold this request's own tokens (another
+        # tenant's, or a stale node's) are refused here rather than read and aborted.
+        req = getattr(params, "req", None)
+        ns = namespace_of(req) if req is not None else (params.key.extra_key, params.key.cache_salt)
+        seed = namespace_seed(*ns) if guard.config.tenant_isolation else 0
+        tokens = list(params.key.token_ids[: result.device_prefix_len])
+        refuse = not guard.adoptable(slots, tokens, seed)
+    if not refuse:
         return result
     from sglang.srt.mem_cache.base_prefix_cache import zero_match_result
 

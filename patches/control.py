@@ -58,52 +58,41 @@ class SGLangControl:
         and cached, or twice in the free list, or leaked. With no request running, a page is free
         iff the prefix tree does not hold it and the guard has not quarantined it. Returns the
         change in free pages."""
-        from kvguard.ledger import PageState
-
-        sched, L = self.scheduler, state.guard.ledger
+        guard = state.guard
+        sched, L = self.scheduler, guard.ledger
         alloc = sched.token_to_kv_pool_allocator
         ps = alloc.page_size
         n = alloc.num_pages if ps > 1 else alloc.size
-        held = torch.zeros(n + 1, dtype=torch.bool, device=L.device)
+        held = torch.zeros(L.num_pages, dtype=torch.bool, device=L.device)
         held[0] = True  # SGLang's padding page
+        held[n + 1 :] = True  # beyond the allocator's pages (the pool's padding tail)
         tree = sched.tree_cache
         if tree.evictable_size() or tree.protected_size():
-            held[
-                torch.div(
-                    tree.all_values_flatten().to(L.device, torch.int64), ps, rounding_mode="floor"
-                )
-            ] = True
-        quarantined = L.state[: n + 1] == PageState.QUARANTINED
-        free = torch.nonzero(~held & ~quarantined).reshape(-1)
+            held[L.pages_of(tree.all_values_flatten().to(L.device))] = True
         before = alloc.available_size() // ps
-        newly = free[L.state[free] != PageState.FREE]
-        L.release(newly, state.guard.step)
+        free = L.rebuild_free(held, guard.step)
         alloc.free_pages = free.to(alloc.device)
         if hasattr(alloc, "release_pages"):
             alloc.release_pages = free[:0].to(alloc.device)
         if getattr(alloc, "staged_pages", None):
             alloc.staged_pages, alloc.num_staged_pages = [], 0
-        L.num_quarantined = int((quarantined & ~held).sum())
         return int(free.numel()) - before
 
 
 def release_aborted(scheduler, req):
     """Release an aborted request by the ledger's truth, not only its (possibly corrupt) row:
-    SGLang's release frees only pages the request privately owns; pages displaced from its row
-    are freed too; pages found bad stay quarantined."""
+    SGLang's release frees what the row names (the guard keeps pages someone else now holds);
+    pages the request still owns but its row no longer names (displaced) are freed too; pages
+    found bad stay quarantined."""
     req.kvguard_released = True
     if not req.kv.holds_kv:
         return
+    guard = state.guard
     row = int(req.kv.req_pool_idx)
-    state.guard.releasing_row = row
-    try:
-        own = state.guard.private_pages(row)
-        scheduler.batch_result_processor._handle_sampling_mask_abort(
-            req
-        )  # "release, do not commit"
-        left = own[state.guard.ledger.state[own] == 1]  # still OWNED: displaced from the row
-        left = left[state.guard.ledger.owner_row[left] == row]
-        if left.numel():
+    own = guard.private_pages(row)
+    scheduler.batch_result_processor._handle_sampling_mask_abort(req)  # "release, do not commit"
+    left = guard.private_pages(row)  # still owned (by the old generation): displaced from the row
+    left = left[torch.isin(left, own)]
+    if left.numel():
+        with guard.releasing(row):
             scheduler.token_to_kv_pool_allocator.free_page_ids(left.to(torch.int64))
-    finally:
-        state.guard.releasing_row = None

@@ -8,7 +8,7 @@ import structlog
 import torch
 
 from kvguard.patches import state
-from kvguard.patches.adapter import failed_verdict, step_view
+from kvguard.patches.adapter import step_view
 from kvguard.patches.control import release_aborted
 
 log = structlog.get_logger("kvguard")
@@ -33,44 +33,67 @@ def around_model_forward(original, runner, forward_batch, *args, **kwargs):
     batch = getattr(state.local, "batch", None)
     if state.mode_file is not None:
         state.reload_mode()
-    if state.guard is None or batch is None or not state.guard.active:
+    guard = state.guard
+    if guard is None or not guard.active:
         return original(runner, forward_batch, *args, **kwargs)
-    try:
-        view = step_view(forward_batch, batch, runner.forward_pass_id + 1)
-        if view is not None:
-            state.local.verdict = state.guard.before_forward(view)
-    except Exception:  # a guard bug must cost the batch's requests, never the scheduler
-        log.exception("kvguard_check_failed")
-        view, state.local.verdict = None, failed_verdict(batch)
-    out = original(runner, forward_batch, *args, **kwargs)
-    if view is not None:
+    view = verdict = None
+    if batch is None:
+        _count_unchecked(forward_batch)  # a forward outside the scheduler's batch path
+    else:
         try:
-            state.guard.after_forward(view)
+            view = step_view(forward_batch, batch, runner.forward_pass_id + 1)
+            if view is not None:
+                verdict = guard.before_forward(view)
+            else:
+                _count_unchecked(forward_batch)
+        except Exception:  # a guard bug must cost the batch's requests, never the scheduler
+            log.exception("kvguard_check_failed")
+            verdict = GUARD_FAILED
+        state.local.verdict = verdict
+    out = original(runner, forward_batch, *args, **kwargs)
+    if verdict is not None and verdict is not GUARD_FAILED:
+        try:
+            guard.after_forward(verdict)
         except Exception:
             log.exception("kvguard_seal_failed")
-            state.local.verdict = failed_verdict(batch)
+            state.local.verdict = GUARD_FAILED
     return out
+
+
+GUARD_FAILED = object()  # the verdict of a step the guard could not check: abort its requests
+
+
+def _count_unchecked(forward_batch) -> None:
+    mode = getattr(forward_batch, "forward_mode", None)
+    if mode is not None and mode.is_idle():
+        return  # no model forward over KV
+    state.guard.metrics.unchecked_forwards.inc()
+    log.warning("kvguard_unchecked_forward", mode=str(mode))
 
 
 # -- Scheduler.process_batch_result (AROUND) ------------------------------------------------------------
 def around_process_batch_result(original, scheduler, batch, result, *args, **kwargs):
     verdict = getattr(result, "kvguard_verdict", None)
-    if state.guard is None or verdict is None:
+    guard = state.guard
+    if guard is None or verdict is None:
         return original(scheduler, batch, result, *args, **kwargs)
     copy_done = getattr(result, "copy_done", None)
     if copy_done is not None:
         copy_done.synchronize()  # the sync SGLang does first thing anyway
+    agree = _tp_agreement(scheduler)
+    handles = list(batch.reqs)
     try:
-        state.guard.resolve(verdict, handles=list(batch.reqs), agree=_tp_agreement(scheduler))
+        if verdict is GUARD_FAILED:
+            guard.resolve_failed(handles, agree)
+        else:
+            guard.resolve(verdict, handles=handles, agree=agree)
     except Exception:  # the verdict could not be read: serve nothing unchecked from this step
-        log.exception("kvguard_resolve_failed", step=verdict.view.step)
-        control = state.guard.actions.engine
+        log.exception("kvguard_resolve_failed", step=guard.step)
         from kvguard.verdict import Kind, Violation, new_violation_id
 
         for req in batch.reqs:
-            control.abort(
-                req,
-                Violation(new_violation_id(), Kind.GUARD_ERROR, verdict.view.step, req.rid, None),
+            guard.actions.engine.abort(
+                req, Violation(new_violation_id(), Kind.GUARD_ERROR, guard.step, req.rid, None)
             )
     aborted = [
         r

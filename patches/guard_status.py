@@ -21,13 +21,7 @@ def guard_status() -> dict:
     guard = active_guard()
     status: dict = {"active": guard is not None, "pid": os.getpid()}
     if guard is not None:
-        status.update(
-            mode=guard.config.mode.value,
-            sweep_tokens_per_step=guard.config.sweep_tokens_per_step,
-            tenant_isolation=guard.config.tenant_isolation,
-            page_size=guard.ledger.page_size,
-            num_pages=guard.ledger.num_pages,
-        )
+        status.update(guard.status())
     return status
 
 

@@ -27,13 +27,21 @@ def attach(result, scheduler, *args, **kwargs):
         # traceback) by SGLang's scheduler loop, and nothing is ever served unchecked.
         log.error("kvguard_unsupported_pool", pool=type(kv).__name__, error=str(exc))
         raise SystemExit(f"kvguard-serve: error: {exc}") from None
+    spec = getattr(scheduler, "spec_algorithm", None)
+    if spec is not None and not spec.is_none():
+        # Draft and verify forwards write and free KV outside the paths the guard models: refuse
+        # rather than serve them unchecked.
+        log.error("kvguard_unsupported_speculative_decoding", algorithm=str(spec))
+        raise SystemExit(
+            f"kvguard-serve: error: kvguard does not guard speculative decoding ({spec}); "
+            "serve without --speculative-algorithm, or with --kvguard-mode off"
+        )
     table = scheduler.req_to_token_pool.req_to_token
     state.guard = Guard(
         config,
         num_slots=buffers[0].shape[0],
         page_size=scheduler.token_to_kv_pool_allocator.page_size,
         num_rows=table.shape[0],
-        max_len=table.shape[1],
         kv_buffers=buffers,
         device=table.device,
         engine=SGLangControl(scheduler),
@@ -47,6 +55,8 @@ def attach(result, scheduler, *args, **kwargs):
         page_size=state.guard.ledger.page_size,
         pool=kind,
         buffers=len(buffers),
+        kernels=state.guard.kernels.name,
+        state_bytes=state.guard.state_bytes,
     )
     return result
 

@@ -41,7 +41,25 @@ GUARD_TARGETS = [
         "sglang.srt.mem_cache.allocator.token.TokenToKVPoolAllocator.free",
         "AROUND",
         "pool_hooks.around_token_free",
-        "every slot re-entering the free list (page_size 1)",
+        "every slot re-entering the free list (page_size 1), attributed to the request being released",
+    ),
+    (
+        "sglang.srt.mem_cache.common.release_kv_cache",
+        "AROUND",
+        "pool_hooks.around_release_kv_cache",
+        "frees while a request is released are its own: a stale holder cannot free a page someone else holds",
+    ),
+    (
+        "sglang.srt.mem_cache.allocator.paged.PagedTokenToKVPoolAllocator.free",
+        "AROUND",
+        "pool_hooks.around_paged_free",
+        "attribution of a released request's frees at the call (free groups release them later)",
+    ),
+    (
+        "sglang.srt.mem_cache.allocator.paged.PagedTokenToKVPoolAllocator.free_page_ids",
+        "AROUND",
+        "pool_hooks.around_paged_free_page_ids",
+        "the same, for frees by page id",
     ),
     (
         "sglang.srt.mem_cache.allocator.paged.PagedTokenToKVPoolAllocator.alloc",
@@ -245,6 +263,21 @@ MLA_TARGETS = [
         "mla_cpu.around_get_rope_cpu",
         "the CPU rope factory asserts deepseek_yarn; other ropes (none, default, ...) go to "
         "SGLang's generic get_rope (forward_native on CPU)",
+    ),
+    # FP8 MLA KV on CPU: the pool is lifted and registered by cpu_fp8_kv.around_configure (a
+    # QUANT_TARGETS row); the read is dequantized by the same torch_native hooks as for MHA.
+    (
+        "sglang.srt.mem_cache.memory_pool.MLATokenToKVPool.set_kv_buffer",
+        "BEFORE",
+        "cpu_fp8_kv.scale_mla_write",
+        "FP8 latent row = fp8(row / k_scale): SGLang's MLA pool casts without the layer's scale",
+    ),
+    (
+        "sglang.srt.model_executor.model_runner_components.load_model_utils.load_kv_cache_scales",
+        "AROUND",
+        "cpu_fp8_kv.around_load_kv_cache_scales",
+        "--quantization-param-path for MLA models (SGLang's DeepSeek model cannot load it): "
+        "per-layer latent scales onto attn_mqa",
     ),
 ]
 

@@ -128,7 +128,11 @@ def test_each_injected_bug_aborts_only_its_victims(tmp_path, capfd, page_size):
             # every abort names a KV integrity violation with an id
             for j in aborted:
                 assert "KV cache integrity violation kvg-" in out[j]["error"], out[j]["error"]
-            assert aborted, f"{cls}: nothing detected"
+            cap = capfd.readouterr()  # the scheduler child shares this test's stdout/stderr
+            logged = violation_events(cap.out + cap.err)
+            if not aborted:  # a premature free caught before the page was reused: taken back
+                repaired = [e for e in logged.values() if "premature_free" in e["kinds"]]
+                assert cls == "premature_free" and repaired, f"{cls}: nothing detected"
             # no false abort: only requests whose KV the injection touched are aborted
             assert {out[j]["rid"] for j in aborted} <= victims, f"{cls}: aborted beyond {victims}"
             # no escape: every request that was not aborted answered exactly as the clean run did
@@ -136,8 +140,6 @@ def test_each_injected_bug_aborts_only_its_victims(tmp_path, capfd, page_size):
                 if "error" not in o:
                     assert o["output_ids"] == r["output_ids"], f"{cls}: request {j} escaped"
             # the forensic record of each abort reached the log
-            cap = capfd.readouterr()  # the scheduler child shares this test's stdout/stderr
-            logged = violation_events(cap.out + cap.err)
             for j in aborted:
                 vid = out[j]["error"].split("violation ")[1].split(":")[0]
                 ev = logged[vid]
