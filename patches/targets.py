@@ -423,5 +423,14 @@ SGLANG_NAMES = [
     ("sglang.srt.utils.phase_checker.SimplePhaseChecker._enable_assert_device", "attribute", "kv_canary_cpu", "whether to check it"),
     # -- tensor parallelism on CPU (cpu_tensor_parallel.py) -------------------------------------
     ("sglang.srt.distributed.parallel_state.init_model_parallel_group.use_pynccl", "parameter", "cpu_tensor_parallel", "no PyNccl without CUDA"),
+    # -- added with guard v2 in SGLang (lifecycle, adapter, cache_hooks, tenancy) ---------------
+    (f"{_SCHED}.spec_algorithm", "attribute", "lifecycle", "speculative decoding is refused at start"),
+    ("sglang.srt.speculative.spec_info.SpeculativeAlgorithm.is_none", "callable", "lifecycle", "no speculative algorithm"),
+    ("sglang.srt.model_executor.forward_batch_info.ForwardMode.is_idle", "callable", "adapter", "idle batches carry no KV"),
+    (f"{_FB}.extend_seq_lens_cpu", "attribute", "adapter", "new tokens per request, on the host"),
+    ("sglang.srt.mem_cache.radix_cache.RadixKey.token_ids", "attribute", "cache_hooks", "the tokens a hit must hold"),
+    ("sglang.srt.mem_cache.radix_cache.RadixKey.extra_key", "attribute", "cache_hooks", "the hit's prefix-cache namespace"),
+    ("sglang.srt.mem_cache.radix_cache.RadixKey.cache_salt", "attribute", "cache_hooks", "the same, per-request salt"),
+    (f"{_REQ}.cache_salt", "attribute", "tenancy", "a request's tenant: its prefix-cache salt"),
 ]
 # fmt: on
