@@ -27,7 +27,6 @@ os.environ.setdefault("SGLANG_USE_CPU_ENGINE", "1")
 # marker). A row is a no-op once the test carries the marker itself; then delete the row.
 PENDING_MARKS = {
     "test_fp8_kv.py::test_engine_fp8_kv_paranoid_guard_close_to_bf16": "engine",
-    "test_fuzz_campaign.py::test_short_campaign_paranoid": "campaign",
 }
 
 
