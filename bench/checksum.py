@@ -8,8 +8,8 @@ permutation of ``--tokens`` slots (default: all of them), positions 0..N-1.
 GB/s counts the KV bytes read (N x sum of row bytes). Baselines:
   gather  = index_select of the same rows into a preallocated buffer,
   copy_   = torch.Tensor.copy_ of an already-gathered contiguous tensor.
-On CPU the checksum is the torch reference; on CUDA (if present) the Triton
-kernel.
+On CPU: the compiled C kernel (the guard's CPU path) and the torch reference;
+on CUDA (if present) the Triton kernel.
 """
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ import time
 
 import torch
 
-from .kv_checksum import HAVE_TRITON, token_digests
-from .kv_checksum_ref import token_digests_ref
+from kvguard.kernels.kv_checksum import HAVE_TRITON, token_digests
+from kvguard.kernels.kv_checksum_ref import token_digests_ref
 
 
 def _time(fn, repeats: int, sync) -> float:
@@ -50,12 +50,20 @@ def run(
     nbytes = tokens * sum(b[0].numel() * b.element_size() for b in bufs)
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
 
+    digests = []
     if dev.type == "cuda":
-        digest = lambda: token_digests(bufs, slots, pos)
-        name = "token_digests (triton)"
+        digests.append(("token_digests (triton)", lambda: token_digests(bufs, slots, pos)))
     else:
-        digest = lambda: token_digests_ref(bufs, slots, pos)
-        name = "token_digests_ref (torch)"
+        try:
+            from kvguard.kernels.guard_cpu import CpuKernels
+
+            cpu = CpuKernels()
+            digests.append(
+                ("token_digests (compiled C)", lambda: cpu.token_digests(bufs, slots, pos))
+            )
+        except ImportError:
+            pass
+        digests.append(("token_digests_ref (torch)", lambda: token_digests_ref(bufs, slots, pos)))
 
     gathered = [
         torch.empty((tokens,) + tuple(b.shape[1:]), dtype=b.dtype, device=dev) for b in bufs
@@ -74,7 +82,7 @@ def run(
 
     res = {}
     for label, fn in [
-        (name, digest),
+        *digests,
         ("gather (index_select)", gather),
         ("copy_ (contiguous)", copy),
     ]:

@@ -1,16 +1,15 @@
 """Guard cost per decode step in isolation: the guard's hooks on a synthetic pool, no engine.
 
-    python -m kvguard.bench.step [--batch 16] [--prompt 40] [--new 64] [--reps 20]
+    python -m kvguard.bench.step [--batch 16] [--prompt 40] [--new 64] [--reps 20] [--count-ops]
+    python -m kvguard.bench.step --curve            # microseconds per step vs context read
 
 A pool shaped like the embedded model's FP8 KV (4 layers x K,V x [slots, 2 heads, 64] bytes);
-``--batch`` requests prefill ``--prompt`` tokens, then decode ``--new`` tokens each, ``--reps``
-times over. Each decode step runs what the engine adapter runs (allocation event, checks before
-the forward, seal after it, verdict read) and is timed on the host; the forward itself is not
-run. This is the floor of what the guard adds to a step on this machine, free of the serving
-stack's noise; ``bench_guard`` measures it inside kvguard-serve. ``--count-ops`` also counts the
-aten calls per step (averaged over a request's lifetime, prefill included): the same at any batch
-and context size, because the hot path has no Python loop over pages or tokens. The one loop is
-the CPU checksum's over chunks of ~2,000 tokens, so paranoid's count grows past such read sets.
+``--batch`` requests prefill ``--prompt`` tokens, then decode ``--new`` tokens each. Each decode
+step runs what the SGLang adapter runs (allocation event, check before the forward, seal after
+it, verdict read) and is timed on the host; the forward itself is not run. ``--count-ops``
+counts the dispatches of one decode step: aten operators (the torch profiler) plus calls into the
+compiled kernels; the count is flat in batch and context (``tests/test_bench_step.py``).
+``--kernels torch`` runs the reference instead of the compiled kernels.
 """
 
 from __future__ import annotations
@@ -28,91 +27,172 @@ from kvguard.metrics import GuardMetrics
 from kvguard.step import StepView
 
 
-def run(
-    mode: str,
-    batch: int,
-    prompt: int,
-    new: int,
-    reps: int,
-    page_size: int,
-    count_ops: bool = False,
-    sweep_tokens_per_step: int = GuardConfig().sweep_tokens_per_step,
-):
-    width = -(-(prompt + new) // page_size) * page_size  # whole pages per request
-    num_slots = page_size + batch * width + page_size
-    g = torch.Generator().manual_seed(0)
-    bufs = [
-        torch.randint(0, 255, (num_slots, 2, 64), dtype=torch.uint8, generator=g) for _ in range(8)
-    ]
-    table = torch.zeros(batch + 1, width, dtype=torch.int32)
-    rows = torch.arange(1, batch + 1)
-    table[1:] = torch.arange(page_size, page_size + batch * width, dtype=torch.int32).view(
-        batch, width
-    )
-    tokens = torch.randint(0, 4096, (batch, width), generator=g)
-    config = GuardConfig(mode=mode, sweep_tokens_per_step=sweep_tokens_per_step)
-    guard = Guard(
-        config,
-        num_slots=num_slots,
-        page_size=page_size,
-        num_rows=batch + 1,
-        max_len=width,
-        kv_buffers=bufs,
-        device="cpu",
-        metrics=GuardMetrics.default(),
-    )
-    step, times = 0, []
+class DecodeBench:
+    """``batch`` requests on private pages in random physical order, prefilled, then decoded."""
 
-    def forward(start: int, n: int) -> float:
-        nonlocal step
-        pos = torch.arange(start, start + n).repeat(batch)
-        wb = torch.arange(batch).repeat_interleave(n)
-        slots = table[rows[wb], pos].to(torch.int64)
-        step += 1
-        t0 = time.perf_counter()
-        guard.on_alloc(slots)
+    def __init__(self, mode: str, batch: int, prompt: int, new: int, page_size: int,
+                 kernels: str | None = None, sweep_tokens_per_step: int | None = None,
+                 row_bytes: int = 128, buffers: int = 8, seed: int = 0):  # fmt: skip
+        from prometheus_client import CollectorRegistry
+
+        self.batch, self.prompt, self.new, self.ps = batch, prompt, new, page_size
+        width = -(-(prompt + new) // page_size) * page_size  # whole pages per request
+        pages_per_req = width // page_size
+        num_pages = 1 + batch * pages_per_req + 1
+        self.num_slots = num_pages * page_size
+        g = torch.Generator().manual_seed(seed)
+        self.bufs = [
+            torch.randint(
+                0, 255, (self.num_slots, 2, row_bytes // 2), dtype=torch.uint8, generator=g
+            )
+            for _ in range(buffers)
+        ]
+        perm = torch.randperm(num_pages - 2, generator=g) + 1
+        self.pages = perm[: batch * pages_per_req].view(batch, pages_per_req)
+        self.table = torch.zeros(batch + 1, width, dtype=torch.int32)
+        pos = torch.arange(width)
+        slots = self.pages[:, pos // page_size] * page_size + pos % page_size
+        self.table[1:] = slots.to(torch.int32)
+        self.rows = torch.arange(1, batch + 1)
+        self.tokens = torch.randint(0, 4096, (batch, width), generator=g)
+        config = GuardConfig(mode=mode)
+        if sweep_tokens_per_step is not None:
+            config = config.with_(sweep_tokens_per_step=sweep_tokens_per_step)
+        self.guard = Guard(
+            config, num_slots=self.num_slots, page_size=page_size, num_rows=batch + 1,
+            kv_buffers=self.bufs, device="cpu", metrics=GuardMetrics(registry=CollectorRegistry()),
+            kernels=kernels,
+        )  # fmt: skip
+        self.step = 0
+        self._count_calls()
+
+    def _count_calls(self) -> None:
+        """Count calls into the compiled kernels (the profiler sees only aten operators)."""
+        self.kernel_calls = 0
+        k = self.guard.kernels
+        if k.name == "torch":
+            return
+        for name in ("check_step", "apply_step", "seal_step", "alloc_pages", "release_pages"):
+            fn = getattr(k, name)
+
+            def counted(*a, _fn=fn, **kw):  # type: ignore[no-untyped-def]
+                self.kernel_calls += 1
+                return _fn(*a, **kw)
+
+            setattr(k, name, counted)
+
+    def forward(self, start: int, n: int) -> float:
+        """All requests write positions [start, start + n): one guarded step; host seconds."""
+        B = self.batch
+        pos = torch.arange(start, start + n).repeat(B)
+        wb = None if n == 1 else torch.arange(B).repeat_interleave(n)
+        slots = self.table[self.rows.repeat_interleave(n), pos].to(torch.int64)
+        fresh = slots[(pos % self.ps) == 0]
+        tokens = self.tokens[torch.arange(B).repeat_interleave(n), pos]
+        prefix_tokens = None
+        if n > 1:
+            prefix_tokens = self.tokens[:, :start].reshape(-1).contiguous()
+        self.step += 1
         view = StepView(
-            step=step,
-            rows=rows,
-            prefix_lens=torch.full((batch,), start),
-            max_prefix_len=start,
-            write_slots=slots,
-            write_batch=wb,
-            write_pos=pos,
-            write_tokens=tokens[wb, pos],
-            page_table=table,
-        )
-        verdict = guard.before_forward(view)
-        guard.after_forward(view)
-        violations = guard.resolve(verdict, [None] * batch)
+            step=self.step, rows=self.rows, prefix_lens_host=[start] * B, write_slots=slots,
+            write_batch=wb, write_pos=pos, write_tokens=tokens, page_table=self.table,
+            prefix_tokens=prefix_tokens,
+        )  # fmt: skip
+        t0 = time.perf_counter()
+        if fresh.numel():
+            self.guard.on_alloc(fresh)
+        verdict = self.guard.before_forward(view)
+        self.guard.after_forward(verdict)
+        violations = self.guard.resolve(verdict, [None] * B)
         elapsed = time.perf_counter() - t0
         if violations:  # a clean pool must stay clean
             raise RuntimeError(
-                f"{len(violations)} violations on a clean pool, first: {violations[0].message}"
+                f"{len(violations)} violations on a clean pool: {violations[0].message}"
             )
         return elapsed
 
-    def one_request_lifetime():
-        guard.reset()
-        guard.on_rows_allocated(rows)
-        forward(0, prompt)
-        return [forward(prompt + i, 1) for i in range(new)]
+    def lifetime(self) -> list[float]:
+        """Reset, prefill, decode: the decode steps' host seconds."""
+        self.guard.reset()
+        self.guard.on_rows_allocated(self.rows)
+        self.forward(0, self.prompt)
+        return [self.forward(self.prompt + i, 1) for i in range(self.new)]
 
+    def lifetime_prefix(self) -> None:
+        self.guard.reset()
+        self.guard.on_rows_allocated(self.rows)
+        self.forward(0, self.prompt)
+        for i in range(self.new - 1):
+            self.forward(self.prompt + i, 1)
+
+    def forward_timed_only(self, start: int) -> None:
+        """One decode step where only the guard's hooks run inside the profiled region."""
+        B = self.batch
+        pos = torch.full((B,), start, dtype=torch.int64)
+        slots = self.table[self.rows, pos].to(torch.int64)
+        fresh = slots[(pos % self.ps) == 0]
+        tokens = self.tokens[:, start].contiguous()
+        self.step += 1
+        view = StepView(
+            step=self.step, rows=self.rows, prefix_lens_host=[start] * B, write_slots=slots,
+            write_batch=None, write_pos=pos, write_tokens=tokens, page_table=self.table,
+        )  # fmt: skip
+        from torch.profiler import record_function
+
+        with record_function("guard_step"):
+            if fresh.numel():
+                self.guard.on_alloc(fresh)
+            verdict = self.guard.before_forward(view)
+            self.guard.after_forward(verdict)
+            self.guard.resolve(verdict, [None] * B)
+
+
+def _profile_ops(bench: DecodeBench) -> int:
+    from torch.profiler import ProfilerActivity, profile
+
+    bench.lifetime_prefix()
+    calls0 = bench.kernel_calls
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        bench.forward_timed_only(bench.prompt + bench.new - 1)
+    # only the operators inside the guard's hooks (the harness builds its view outside)
+    events = prof.events()
+    guard = [e for e in events if e.name == "guard_step"]
+    if not guard:
+        return -1
+    lo, hi = guard[0].time_range.start, guard[0].time_range.end
+    aten = sum(1 for e in events if e.name.startswith("aten::") and lo <= e.time_range.start <= hi)
+    return aten + bench.kernel_calls - calls0
+
+
+def run(mode: str, batch: int, prompt: int, new: int, reps: int, page_size: int,
+        count_ops: bool = False, sweep_tokens_per_step: int | None = None,
+        kernels: str | None = None) -> tuple[list[float], int | None]:  # fmt: skip
+    """Sorted decode-step host seconds over ``reps`` lifetimes, and the dispatches of one decode
+    step (aten operators + compiled kernel calls) when ``count_ops``."""
+    bench = DecodeBench(mode, batch, prompt, new, page_size, kernels, sweep_tokens_per_step)
+    times: list[float] = []
     for _ in range(reps):
-        times += one_request_lifetime()
-    ops = None
-    if (
-        count_ops
-    ):  # every aten op one lifetime dispatches (the harness's own included), per decode step
-        from torch.profiler import ProfilerActivity, profile
-
-        with profile(activities=[ProfilerActivity.CPU]) as prof:
-            one_request_lifetime()
-        ops = sum(e.count for e in prof.key_averages() if e.key.startswith("aten::")) // (new + 1)
+        times += bench.lifetime()
+    ops = _profile_ops(bench) if count_ops else None
     return sorted(times), ops
 
 
-def main(argv=None):
+def curve(mode: str, page_size: int, kernels: str | None, reps: int) -> list[tuple[int, float]]:
+    """Guard microseconds per decode step (p50) against total context read, 1k..256k positions:
+    16 requests, context split evenly."""
+    out = []
+    for total in (1024, 4096, 16384, 65536, 262144):
+        per = total // 16
+        bench = DecodeBench(mode, 16, per - 4, 4, page_size, kernels)
+        t: list[float] = []
+        for _ in range(reps):
+            t += bench.lifetime()
+        t.sort()
+        out.append((total, 1e6 * t[len(t) // 2]))
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -122,40 +202,43 @@ def main(argv=None):
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--page-size", type=int, default=16)
     ap.add_argument("--modes", default="tags,sampled,paranoid")
-    ap.add_argument(
-        "--count-ops", action="store_true", help="also count aten calls per step (lifetime average)"
-    )
+    ap.add_argument("--kernels", default=None, help="torch | cpu (default: the fastest available)")
+    ap.add_argument("--count-ops", action="store_true", help="dispatches per decode step")
+    ap.add_argument("--curve", action="store_true", help="us per step vs context read (1k..256k)")
     ap.add_argument(
         "--sweep-tokens-per-step",
         type=int,
-        default=GuardConfig().sweep_tokens_per_step,
+        default=None,
         help="sampled mode's per-step checksum budget (as KVGUARD_SWEEP_TOKENS_PER_STEP)",
     )
     a = ap.parse_args(argv)
     structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.CRITICAL))
+    torch.set_num_threads(1)
+    if a.curve:
+        print(
+            f"guard us per decode step (p50) vs context read, 16 requests, page size {a.page_size}"
+        )
+        print(
+            "| mode | "
+            + " | ".join(f"{n // 1024}k" for n in (1024, 4096, 16384, 65536, 262144))
+            + " |"
+        )
+        print("|---" * 6 + "|")
+        for mode in a.modes.split(","):
+            pts = curve(mode, a.page_size, a.kernels, max(1, a.reps // 10))
+            print(f"| {mode} | " + " | ".join(f"{us:.0f}" for _, us in pts) + " |", flush=True)
+        return 0
+    print(f"{a.batch} requests x ({a.prompt} prompt + {a.new} decode) tokens, page size {a.page_size}, "
+          f"{a.reps} reps, kernels {a.kernels or 'auto'}")  # fmt: skip
     print(
-        f"{a.batch} requests x ({a.prompt} prompt + {a.new} decode) tokens, page size {a.page_size}, "
-        f"sampled budget {a.sweep_tokens_per_step}, {a.reps} reps, torch threads {torch.get_num_threads()}"
-    )
-    print(
-        "| mode | decode step p10 ms | p50 ms | p90 ms | aten calls per step |\n|---|---|---|---|---|"
+        "| mode | decode step p10 us | p50 us | p90 us | dispatches per step |\n|---|---|---|---|---|"
     )
     for mode in a.modes.split(","):
-        t, ops = run(
-            mode,
-            a.batch,
-            a.prompt,
-            a.new,
-            a.reps,
-            a.page_size,
-            a.count_ops,
-            a.sweep_tokens_per_step,
-        )
-        q = lambda f: 1e3 * t[min(len(t) - 1, int(f * len(t)))]
-        print(
-            f"| {mode} | {q(0.1):.3f} | {q(0.5):.3f} | {q(0.9):.3f} | {ops if ops is not None else '-'} |",
-            flush=True,
-        )
+        t, ops = run(mode, a.batch, a.prompt, a.new, a.reps, a.page_size, a.count_ops,
+                     a.sweep_tokens_per_step, a.kernels)  # fmt: skip
+        q = lambda f, t=t: 1e6 * t[min(len(t) - 1, int(f * len(t)))]
+        print(f"| {mode} | {q(0.1):.1f} | {q(0.5):.1f} | {q(0.9):.1f} | "
+              f"{ops if ops is not None else '-'} |", flush=True)  # fmt: skip
     return 0
 
 

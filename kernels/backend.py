@@ -27,6 +27,9 @@ class GuardKernels(Protocol):
     def bind(self, P: PageArrays, R: RowArrays, buffers: list[torch.Tensor]) -> None:
         """The pool this backend serves (compiled backends keep its addresses)."""
 
+    def workspace_bytes(self) -> int:
+        """Memory the backend keeps besides the ledger and the records."""
+
     def check_step(
         self,
         P: PageArrays,
@@ -66,6 +69,9 @@ class TorchKernels:
 
     def bind(self, P: PageArrays, R: RowArrays, buffers: list[torch.Tensor]) -> None:
         pass
+
+    def workspace_bytes(self) -> int:
+        return 0  # per-step temporaries only
 
     check_step = staticmethod(guard_ref.check_step)
     apply_step = staticmethod(guard_ref.apply_step)

@@ -41,7 +41,9 @@ class _Context:
         self.buffers = buffers
         views = _row_word_views(buffers) if buffers else []
         self.wmax = max((v.shape[1] for v in views), default=0)
-        self.consts = word_constants(len(views), max(self.wmax, 1)).contiguous()
+        consts = word_constants(len(views), max(self.wmax, 1))
+        self.lo = (consts & 0xFFFFFFFF).to(torch.int64).to(torch.int32).contiguous()  # bits kept
+        self.hi = ((consts >> 32) & 0xFFFFFFFF).to(torch.int64).to(torch.int32).contiguous()
         desc = []
         for v in views:  # slot-major buffers (page_stride 0)
             desc += [v.data_ptr(), v.stride(0) * 4, 0, 1, v.shape[1]]
@@ -67,7 +69,7 @@ class _Context:
             [t.data_ptr() for t in pa]
             + [P.state.numel()]
             + [t.data_ptr() for t in ra]
-            + [addr, len(views), self.consts.data_ptr(), self.wmax],
+            + [addr, len(views), self.lo.data_ptr(), self.hi.data_ptr(), self.wmax],
         )
         self.addr = self.ctx.buffer_info()[0]
 
@@ -81,7 +83,7 @@ class _Workspace:
     def __init__(self, num_pages: int):
         self.taint = torch.zeros(num_pages, dtype=torch.bool)
         self.reclaim = torch.zeros(num_pages, dtype=torch.bool)
-        self.marks = torch.zeros(1 + 4096, dtype=_I64)
+        self.marks = torch.zeros(1 + 1024, dtype=_I64)
         self.b = self.n = self.s = -1
         self._grow(64, 256, 1024)
 
@@ -120,6 +122,12 @@ class _Workspace:
             "q", [t.data_ptr() for t in outs] + [self.marks.numel() - 1, self.scratch.data_ptr()]
         )
         self.out_addr = self.out.buffer_info()[0]
+
+    def nbytes(self) -> int:
+        ts = [self.taint, self.reclaim, self.marks, self.kinds, self.n_pages, self.agg,
+              self.chain_len, self.chain_tail, self.targets, self.write_ok, self.claim,
+              self.write_chain, self.scratch]  # fmt: skip
+        return sum(t.numel() * t.element_size() for t in ts)
 
     def fit(self, b: int, n: int, t: int) -> None:
         s = 2 * t + b + 1
@@ -173,6 +181,10 @@ class CpuKernels:
     def bind(self, P: PageArrays, R: RowArrays, buffers: list[torch.Tensor]) -> None:
         self._ctx = _Context(P, R, buffers)
         self._ws = [_Workspace(P.state.numel()), _Workspace(P.state.numel())]
+
+    def workspace_bytes(self) -> int:
+        """Host bytes of the two step workspaces (4 per page, plus per-step arrays)."""
+        return sum(w.nbytes() for w in self._ws)
 
     def _context(self, P: PageArrays, R: RowArrays, buffers: list[torch.Tensor]) -> _Context:
         if self._ctx is None or not self._ctx.matches(P, R, buffers):

@@ -83,8 +83,8 @@ class Guard:
 
     @property
     def state_bytes(self) -> int:
-        """Device bytes of the guard's own state (ledger + records)."""
-        return self.ledger.nbytes() + self.records.nbytes()
+        """Bytes of the guard's own state: ledger, records, the kernel backend's workspaces."""
+        return self.ledger.nbytes() + self.records.nbytes() + self.kernels.workspace_bytes()
 
     # -- forward ----------------------------------------------------------------------------------------
     def before_forward(self, view: StepView) -> StepVerdict:

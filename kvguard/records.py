@@ -3,7 +3,7 @@
 Like a ZFS block pointer, the expectation lives with the reader, never with the page, so whoever
 claims a page next cannot refresh it. Compactly: per row, the wrapping sum of
 ``page_tag(epoch, logical index)`` over the pages it holds, their count, and the token chain it
-has written up to (``kernels.guard_state.RowArrays``: 24 bytes per row). Rows are SGLang's
+has written up to (``kernels.guard_state.RowArrays``: 28 bytes per row). Rows are SGLang's
 ``req_to_token`` rows.
 """
 

@@ -73,34 +73,63 @@ typedef struct {
 typedef struct {
     const Buf *bufs;
     int nbuf;
-    const u64 *consts; /* [nbuf, wmax] odd word constants */
+    /* the odd 64-bit word constants C[b, j], split in halves: w * C = w * lo + ((w * hi) << 32)
+     * (mod 2**64), so the sum vectorizes as a widening 32-bit multiply plus a 32-bit one */
+    const uint32_t *lo, *hi; /* [nbuf, wmax] */
     i64 wmax;
 } Kv;
 
-__attribute__((target_clones("avx512f", "avx2", "default")))
-static u64 row_inner(const uint32_t *restrict w, const u64 *restrict c, i64 n) {
-    u64 acc = 0;
-    for (i64 j = 0; j < n; j++) acc += (u64)w[j] * c[j];
-    return acc;
+static inline __attribute__((always_inline)) u64
+row_inner(const uint32_t *restrict w, const uint32_t *restrict lo, const uint32_t *restrict hi, i64 n) {
+    u64 s1 = 0;
+    uint32_t s2 = 0;
+    for (i64 j = 0; j < n; j++) {
+        s1 += (u64)w[j] * lo[j];
+        s2 += w[j] * hi[j];
+    }
+    return s1 + ((u64)s2 << 32);
 }
 
-static inline const uint32_t *slot_words(const Buf *b, i64 slot) {
+static inline __attribute__((always_inline)) const uint32_t *slot_words(const Buf *b, i64 slot) {
     if (b->page_stride == 0) return (const uint32_t *)(b->base + slot * b->slot_stride);
     i64 p = slot / b->slots_per_page, o = slot % b->slots_per_page;
     return (const uint32_t *)(b->base + p * b->page_stride + o * b->slot_stride);
 }
 
-static inline u64 token_digest(const Kv *kv, i64 slot, i64 pos) {
+static inline __attribute__((always_inline)) u64 token_digest_inline(const Kv *kv, i64 slot, i64 pos) {
     u64 inner = 0;
-    for (int b = 0; b < kv->nbuf; b++)
-        inner += row_inner(slot_words(&kv->bufs[b], slot), kv->consts + b * kv->wmax, kv->bufs[b].words);
+    for (int b = 0; b < kv->nbuf; b++) {
+        const i64 off = b * kv->wmax;
+        inner += row_inner(slot_words(&kv->bufs[b], slot), kv->lo + off, kv->hi + off, kv->bufs[b].words);
+    }
     return fmix64(inner ^ splitmix64((u64)pos + POS_SEED));
 }
 
-static u64 page_digest(const Kv *kv, const Pages *P, i64 page, i64 ps) {
+#define CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
+
+CLONES static u64 token_digest(const Kv *kv, i64 slot, i64 pos) { return token_digest_inline(kv, slot, pos); }
+
+/* Rows of a token are scattered over the pool: ask for those of a token PREFETCH_AHEAD places
+ * ahead while hashing this one, so the memory system works on several at once. */
+#define PREFETCH_AHEAD 8
+static inline __attribute__((always_inline)) void prefetch_token(const Kv *kv, i64 slot) {
+    for (int b = 0; b < kv->nbuf; b++) {
+        const char *row = (const char *)slot_words(&kv->bufs[b], slot);
+        for (i64 off = 0; off < kv->bufs[b].words * 4; off += 64) __builtin_prefetch(row + off, 0, 0);
+    }
+}
+
+CLONES static void token_digest_batch(const Kv *kv, const i64 *slots, const i64 *pos, i64 n, i64 *out) {
+    for (i64 t = 0; t < n; t++) {
+        if (t + PREFETCH_AHEAD < n) prefetch_token(kv, slots[t + PREFETCH_AHEAD]);
+        out[t] = (i64)token_digest_inline(kv, slots[t], pos[t]);
+    }
+}
+
+CLONES static u64 page_digest(const Kv *kv, const Pages *P, i64 page, i64 ps) {
     i64 fill = P->fill[page], lp = P->lpage[page] < 0 ? 0 : P->lpage[page];
     u64 s = 0;
-    for (i64 o = 0; o < fill; o++) s += token_digest(kv, page * ps + o, lp * ps + o);
+    for (i64 o = 0; o < fill; o++) s += token_digest_inline(kv, page * ps + o, lp * ps + o);
     return s;
 }
 
@@ -173,11 +202,12 @@ static void load_rows(Rows *R, const i64 *a) {
 static void load_kv(Kv *kv, const i64 *a) {
     kv->bufs = PTR(const Buf *, a[0]);
     kv->nbuf = (int)a[1];
-    kv->consts = PTR(const u64 *, a[2]);
-    kv->wmax = a[3];
+    kv->lo = PTR(const uint32_t *, a[2]);
+    kv->hi = PTR(const uint32_t *, a[3]);
+    kv->wmax = a[4];
 }
 
-/* ctx: int64 array [pages(11), rows(5), kv(4)], built once per pool by guard_cpu.py */
+/* ctx: int64 array [pages(11), rows(5), kv(5)], built once per pool by guard_cpu.py */
 #define CTX_PAGES 0
 #define CTX_ROWS 11
 #define CTX_KV 16
@@ -591,7 +621,7 @@ static PyObject *token_digests(PyObject *self, PyObject *const *args, Py_ssize_t
     const i64 n = a[3];
     i64 *out = PTR(i64 *, a[4]);
     Py_BEGIN_ALLOW_THREADS
-    for (i64 t = 0; t < n; t++) out[t] = (i64)token_digest(&kv, slots[t], pos[t]);
+    token_digest_batch(&kv, slots, pos, n, out);
     Py_END_ALLOW_THREADS
     Py_RETURN_NONE;
 }
