@@ -71,10 +71,10 @@ def free_if_orphaned(sched, slots: torch.Tensor):
     alloc.free(slots)
 
 
-def _written_page(rng, req, ps, private=False):
+def _written_page(rng, req, ps, private=False, lo=0):
     """A full page the request wrote at least two steps ago (sealed, at rest), or None.
-    ``private``: only pages past the prefix cache's share of the row."""
-    lo = req.kv.cache_protected_len if private else 0
+    ``private``: only pages past the prefix cache's share of the row; ``lo``: at or past it."""
+    lo = max(lo, req.kv.cache_protected_len if private else 0)
     first, last = -(-lo // ps), (req.kv.kv_committed_len - 2) // ps - 1
     if last < first:
         return None
@@ -211,7 +211,11 @@ def stale_writer(sched, batch, rng, step):
     ps = _ps(sched)
     reqs = _decode_reqs(batch)
     for req in rng.sample(reqs, len(reqs)):
-        lp = _written_page(rng, req, ps, private=True)
+        # An output page if there is one: the prefix cache evicts a finished request's output
+        # before its prompt, so the page is reused (and the late write lands) sooner.
+        lp = _written_page(rng, req, ps, private=True, lo=len(req.origin_input_ids))
+        if lp is None:
+            lp = _written_page(rng, req, ps, private=True)
         if lp is None:
             continue
         slots = _page_slots(sched, req, lp)

@@ -46,8 +46,7 @@ def summarize(cfg: dict) -> dict:
         "escapes_from_victims": sum(
             1 for r in reqs if r["outcome"] == "escaped" and r["victim_of"]
         ),
-        # The plugin follows a touched page to every later holder, so victim sets over-approximate:
-        # a guard abort of such a late holder is counted detected but might be collateral.
+        # Late victims: a prefix-cache hit on wrong KV, or a holder of a page freed again later.
         "detected_two_or_more_waves_after_injection": sum(
             1 for r in reqs if r["outcome"] == "detected" and (waves_after(r) or 0) >= 2
         ),
@@ -358,8 +357,8 @@ def _matrix(c: dict) -> list[str]:
         out += [
             "",
             f"{late} of the {s['requests']['detected']} detected requests became victims two or "
-            "more waves after their injection (the plugin counts every later holder of a touched "
-            "page as a victim): such an abort could also be collateral.",
+            "more waves after their injection (a later prefix-cache hit on wrong KV, or a page of "
+            "theirs the injection's aftermath put back on the free list).",
         ]
     out.append("")
     return out
