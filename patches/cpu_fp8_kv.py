@@ -19,6 +19,18 @@ What SGLang 0.5.23 already does, and what this file adds (hook functions named i
   or ``--quantization-param-path``), ``supply_scales`` hands them to the write (stored byte =
   fp8(k / k_scale)) and the read tables multiply them back. Without model scales they are 1.0.
 
+MLA models (DeepSeek-V3 / Kimi K2 architecture, ``MLATokenToKVPool``): one latent row per token
+and layer (kv_lora_rank + qk_rope_head_dim values; ``get_value_buffer`` is a view of its first
+kv_lora_rank values). SGLang refuses FP8 for MLA on CPU before its AMX gate; ``around_configure``
+lets that one check (``current_platform.is_cpu()``, the gate's first call) answer "not a CPU", and
+SGLang builds its own MLA pool with FP8 storage (uint8 bytes, viewed as float8_e4m3fn on read;
+its ``set_kv_buffer`` casts the latent row). K and V are the same bytes, so the row has one scale:
+the layer's ``k_scale`` (as SGLang's FlashMLA backend reads it), 1.0 without one. ``scale_mla_write``
+divides the row by it before SGLang's cast, and the read dequantizes the rows once (V is the first
+kv_lora_rank values of the same copy). Per-layer scales come from an FP8 checkpoint's
+``attn_mqa.k_scale`` or from ``--quantization-param-path``, which SGLang's DeepSeek model cannot
+load itself (``around_load_kv_cache_scales`` sets them on each layer's ``attn_mqa``).
+
 Every hook is a no-op unless this file itself lifted the gate for the pool in question: GPU pools,
 non-FP8 pools and SGLang's own AMX route are left exactly as SGLang made them.
 """
@@ -51,6 +63,10 @@ def around_configure(original, configurator, *args, **kwargs):
         return original(configurator, *args, **kwargs)
     from sglang.srt.mem_cache import kv_cache_configurator as kvc
 
+    if configurator.use_mla_backend:
+        with _mla_gate_lifted(kvc):
+            result = original(configurator, *args, **kwargs)
+        return _register_mla_pool(result)
     with _amx_gate_lifted(kvc):
         result = original(configurator, *args, **kwargs)
     pool = result.token_to_kv_pool
@@ -67,6 +83,34 @@ def around_configure(original, configurator, *args, **kwargs):
         layers=len(k_buf),
         slots=k_buf[0].shape[0],
         bytes_per_token=sum(b[0].numel() * b.element_size() for b in k_buf + pool.v_buffer),
+    )
+    return result
+
+
+MLA_POOL = "MLATokenToKVPool"  # exactly: subclasses (DSA, FP4) store more than the latent rows
+
+
+def _register_mla_pool(result):
+    pool = result.token_to_kv_pool
+    buffers = getattr(pool, "kv_buffer", None)
+    if (
+        type(pool).__name__ != MLA_POOL
+        or getattr(pool, "dtype", None) != torch.float8_e4m3fn
+        or not buffers
+        or buffers[0].dtype != torch.uint8
+    ):
+        raise FP8KVConfigError(
+            f"FP8 KV cache on CPU serves MHA pools and the plain {MLA_POOL}; SGLang built "
+            f"{type(pool).__name__} (dtype {getattr(pool, 'dtype', None)}) for this model. "
+            "Serve it with --no-fp8-kv (or --kv-cache-dtype auto)."
+        )
+    _fp8_pools.add(pool)
+    log.info(
+        "kvguard_cpu_fp8_kv",
+        pool="mla",
+        layers=len(buffers),
+        slots=buffers[0].shape[0],
+        bytes_per_token=sum(b[0].numel() * b.element_size() for b in buffers),
     )
     return result
 
@@ -88,8 +132,6 @@ def _wants_torch_native_fp8(configurator) -> bool:
             f"attention backend only; configured backends: {sorted(backends)}. "
             "Pass --attention-backend torch_native."
         )
-    if configurator.use_mla_backend:
-        raise FP8KVConfigError("FP8 KV cache on CPU supports MHA models only (this one is MLA).")
     if not configurator.spec_algorithm.is_none():
         raise FP8KVConfigError(
             "FP8 KV cache on CPU without AMX: speculative decoding is not supported."
@@ -129,10 +171,49 @@ def _amx_gate_lifted(kvc):
         )
 
 
+class _PlatformAnsweringNotCpuOnce:
+    """SGLang's ``current_platform`` whose first ``is_cpu()`` says False: configure()'s FP8 gate
+    (which refuses MLA before anything else) is skipped, every later call gets the truth."""
+
+    def __init__(self, real):
+        self._real = real
+        self.consulted = False
+
+    def is_cpu(self) -> bool:
+        if not self.consulted:
+            self.consulted = True
+            return False
+        return self._real.is_cpu()
+
+    def __getattr__(self, name):
+        return getattr(self._real, name)
+
+
+@contextlib.contextmanager
+def _mla_gate_lifted(kvc):
+    real = kvc.current_platform
+    once = _PlatformAnsweringNotCpuOnce(real)
+    kvc.current_platform = once
+    try:
+        yield
+    finally:
+        kvc.current_platform = real
+    if not once.consulted:
+        raise FP8KVConfigError(
+            "SGLang's CPU FP8 KV gate in KVCacheConfigurator.configure changed shape "
+            "(current_platform.is_cpu() not consulted); update patches/cpu_fp8_kv.py"
+        )
+
+
 # -- per-layer scales ----------------------------------------------------------------------------------
 def layer_kv_scales(layer) -> tuple[float, float]:
     """(k_scale, v_scale) SGLang loaded for this attention layer; 1.0 where it has none."""
     return _scale(layer, "k"), _scale(layer, "v")
+
+
+def mla_kv_scale(layer) -> float:
+    """The one scale of an MLA layer's latent row (K and V are the same bytes): its k_scale."""
+    return _scale(layer, "k")
 
 
 def _scale(layer, kind: str) -> float:
@@ -172,13 +253,29 @@ def supply_scales(pool, layer=None, *args, **kwargs):
     return (pool, layer, *args), kwargs
 
 
+# -- MLATokenToKVPool.set_kv_buffer (BEFORE) --------------------------------------------------------------
+def scale_mla_write(pool, layer, loc_info, cache_k, *args, **kwargs):
+    """Stored byte = fp8(latent / k_scale); SGLang's MLA pool casts without a scale."""
+    if pool not in _fp8_pools or layer is None:
+        return None
+    scale = mla_kv_scale(layer)
+    if scale == 1.0:
+        return None
+    return (pool, layer, loc_info, cache_k / scale, *args), kwargs
+
+
 # -- TorchNativeAttnBackend.forward_extend / forward_decode (AROUND) ----------------------------------
 def around_attention(original, backend, q, k, v, layer, forward_batch, *args, **kwargs):
     """Tell the SDPA hook below which dequantization tables this layer's read uses."""
     if backend.token_to_kv_pool not in _fp8_pools:
         return original(backend, q, k, v, layer, forward_batch, *args, **kwargs)
-    first_layer = layer.layer_id == getattr(backend.token_to_kv_pool, "start_layer", 0)
-    tables = dequant_tables(*layer_kv_scales(layer), dtype=q.dtype)
+    pool = backend.token_to_kv_pool
+    first_layer = layer.layer_id == getattr(pool, "start_layer", 0)
+    if type(pool).__name__ == MLA_POOL:
+        scale = mla_kv_scale(layer)
+        tables = dequant_tables(scale, scale, dtype=q.dtype)
+    else:
+        tables = dequant_tables(*layer_kv_scales(layer), dtype=q.dtype)
     _local.read = (tables, forward_batch, first_layer)
     try:
         return original(backend, q, k, v, layer, forward_batch, *args, **kwargs)
@@ -218,7 +315,11 @@ def around_sdpa(
         )
     (k_table, v_table), forward_batch, first_layer = read
     rows, table = _batch_rows(forward_batch, first_layer, req_to_token, req_pool_indices, seq_lens)
-    k, v = dequantize_rows(k_cache, rows, k_table), dequantize_rows(v_cache, rows, v_table)
+    k = dequantize_rows(k_cache, rows, k_table)
+    if v_cache.data_ptr() == k_cache.data_ptr() and v_cache.shape[:-1] == k_cache.shape[:-1]:
+        v = k[..., : v_cache.shape[-1]]  # MLA: V is the latent part of the same rows and scale
+    else:
+        v = dequantize_rows(v_cache, rows, v_table)
     batch = torch.arange(table.shape[0], device=table.device)
     return original(backend, query, output, k, v, table, batch, seq_lens, *args, **kwargs)
 
@@ -255,3 +356,54 @@ def _batch_rows(forward_batch, first_layer, req_to_token, req_pool_indices, seq_
     table = starts[:, None] + torch.arange(max(lens), dtype=torch.int64)[None, :]
     _local.rows = (forward_batch, rows.to(torch.int64), table)
     return _local.rows[1], table
+
+
+# -- load_model_utils.load_kv_cache_scales (AROUND) -------------------------------------------------
+def around_load_kv_cache_scales(original, *args, **kwargs):
+    """``--quantization-param-path`` for MLA models: SGLang's DeepSeek model has no
+    ``load_kv_cache_scales`` (SGLang would raise); set each layer's latent scale on its
+    ``attn_mqa`` from the same file format, read by SGLang's own loader."""
+    model, kv_cache_dtype = kwargs.get("model"), kwargs.get("kv_cache_dtype")
+    from sglang.srt.runtime_context import get_model
+
+    path = get_model().quantization_param_path
+    mla = _mla_attention_by_layer(model)
+    if (
+        kv_cache_dtype != "fp8_e4m3"
+        or path is None
+        or not mla
+        or callable(getattr(model, "load_kv_cache_scales", None))
+    ):
+        return original(*args, **kwargs)
+    from sglang.srt.distributed import (
+        get_tensor_model_parallel_rank,
+        get_tensor_model_parallel_world_size,
+    )
+    from sglang.srt.model_loader.weight_utils import kv_cache_scales_loader
+
+    loaded = {}
+    for layer_id, factor in kv_cache_scales_loader(
+        path,
+        get_tensor_model_parallel_rank(),
+        get_tensor_model_parallel_world_size(),
+        model.config.num_hidden_layers,
+        model.config.model_type,
+    ):
+        attn = mla.get(int(layer_id))
+        if attn is None:
+            continue  # a layer of another pipeline rank, or an MTP layer not built
+        attn.k_scale = attn.v_scale = float(factor)
+        loaded[int(layer_id)] = float(factor)
+    log.info("kvguard_mla_kv_scales", path=str(path), layers=len(loaded), scales=loaded)
+    return None
+
+
+def _mla_attention_by_layer(model) -> dict:
+    """layer id -> the RadixAttention that reads an MLA layer's latent cache (``attn_mqa``)."""
+    if model is None:
+        return {}
+    return {
+        m.attn_mqa.layer_id: m.attn_mqa
+        for m in model.modules()
+        if hasattr(m, "attn_mqa") and hasattr(m, "kv_lora_rank")
+    }

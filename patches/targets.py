@@ -210,6 +210,56 @@ QUANT_TARGETS = [
         "int4_cpu_linear.around_init_kernel",
         "plain GPTQ on CUDA (no Marlin): Triton W4A16 where SGLang removed its kernel",
     ),
+    # compressed-tensors W4A16 (Kimi K2 Thinking's format) on CPU: SGLang's schemes create and load
+    # the parameters; the CPU repack and INT4 GEMMs replace Marlin (CUDA). No-ops with CUDA.
+    (
+        "sglang.srt.layers.quantization.compressed_tensors.schemes.compressed_tensors_wNa16_moe.CompressedTensorsWNA16MoE.create_weights",
+        "AFTER",
+        "int4_cpu_moe.fill_zero_codes",
+        "rows the checkpoint does not fill (CPU padding) decode to 0, not uninitialized memory",
+    ),
+    (
+        "sglang.srt.layers.quantization.compressed_tensors.schemes.compressed_tensors_wNa16_moe.CompressedTensorsWNA16MoE.process_weights_after_loading",
+        "AROUND",
+        "int4_cpu_moe.moe_process_weights",
+        "experts repacked for torch's INT4 CPU GEMM instead of Marlin",
+    ),
+    (
+        "sglang.srt.layers.quantization.compressed_tensors.schemes.compressed_tensors_wNa16_moe.CompressedTensorsWNA16MoE.create_moe_runner",
+        "AROUND",
+        "int4_cpu_moe.moe_create_runner",
+        "no Marlin runner on CPU",
+    ),
+    (
+        "sglang.srt.layers.quantization.compressed_tensors.schemes.compressed_tensors_wNa16_moe.CompressedTensorsWNA16MoE.apply_weights",
+        "AROUND",
+        "int4_cpu_moe.moe_apply",
+        "SGLang's native CPU MoE loop with INT4 GEMMs",
+    ),
+    (
+        "sglang.srt.layers.quantization.compressed_tensors.compressed_tensors.CompressedTensorsConfig.get_linear_scheme",
+        "AROUND",
+        "int4_cpu_moe.around_get_linear_scheme",
+        "W4A16 linears on CPU: SGLang's scheme without its CUDA capability check",
+    ),
+    (
+        "sglang.srt.layers.quantization.compressed_tensors.schemes.compressed_tensors_wNa16.CompressedTensorsWNA16.create_weights",
+        "AFTER",
+        "int4_cpu_moe.fill_zero_codes",
+        "same, linears",
+    ),
+    (
+        "sglang.srt.layers.quantization.compressed_tensors.schemes.compressed_tensors_wNa16.CompressedTensorsWNA16.process_weights_after_loading",
+        "AROUND",
+        "int4_cpu_moe.linear_process_weights",
+        "linears repacked for torch's INT4 CPU GEMM instead of Marlin",
+    ),
+    (
+        "sglang.srt.layers.quantization.compressed_tensors.schemes.compressed_tensors_wNa16.CompressedTensorsWNA16.apply_weights",
+        "AROUND",
+        "int4_cpu_moe.linear_apply",
+        "torch's INT4 CPU GEMM",
+    ),
 ]
 
 # SGLang's own KV canary (--kv-canary) on CPU: the peer kvguard is compared with. Registered

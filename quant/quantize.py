@@ -1,8 +1,14 @@
-"""BF16/FP16 Hugging Face Llama checkpoint -> INT4 GPTQ checkpoint (W4A16, group-quantized).
+"""BF16/FP16 Hugging Face checkpoint -> INT4 W4A16 checkpoint (group-quantized).
 
 Usage::
 
-    python -m kvguard.quant.quantize --model DIR --out DIR [--group-size 128] [--method rtn|gptq]
+    python -m kvguard.quant.quantize --model DIR --out DIR [--group-size G] [--method rtn|gptq]
+        [--targets experts|mlp]
+
+Llama checkpoints are written as GPTQ (below). DeepSeek-V3-architecture MoE checkpoints (Kimi K2)
+are written as compressed-tensors ``pack-quantized`` W4A16, symmetric, group 32 by default: the
+format Kimi K2 Thinking ships (``kvguard.quant.pack_quantized``; ``--targets`` picks the routed
+experts only, or all MLP linears; round to nearest).
 
 Output format: ``quant_method: gptq``, 4 bits, symmetric, ``desc_act: false``, checkpoint format
 ``gptq`` (v1: qzeros store zero - 1), per linear layer ``qweight``/``qzeros``/``scales``/``g_idx``
@@ -36,8 +42,11 @@ from pathlib import Path
 import torch
 
 from kvguard.kernels.w4a16_ref import PACK, pack_cols, pack_rows, quantize_rtn
+from kvguard.quant import pack_quantized
 
-SUPPORTED_ARCHS = ("LlamaForCausalLM",)
+DENSE_ARCHS = ("LlamaForCausalLM",)
+SUPPORTED_ARCHS = DENSE_ARCHS + pack_quantized.MOE_ARCHS
+DEFAULT_GROUP_SIZE = 128  # GPTQ (dense); MoE checkpoints default to pack_quantized's 32
 LINEARS = (
     "self_attn.q_proj",
     "self_attn.k_proj",
@@ -251,13 +260,14 @@ def quantization_config(
 def quantize_checkpoint(
     model: Path,
     out: Path,
-    group_size: int = 128,
+    group_size: int | None = None,
     method: str = "rtn",
     num_samples: int = 128,
     seq_len: int = 256,
     damp: float = 0.01,
     log=print,
     fallback_group_size: int | None = None,
+    targets: str = "experts",
 ) -> dict:
     """Write the INT4 checkpoint; returns a small report (also saved as quant_report.json)."""
     model, out = Path(model), Path(out)
@@ -267,6 +277,12 @@ def quantize_checkpoint(
         raise QuantizeError("--out must differ from --model")
     cfg = read_config(model)
     tensors = read_tensors(model)
+    if any(a in pack_quantized.MOE_ARCHS for a in cfg.get("architectures") or []):
+        return _quantize_moe(
+            model, out, cfg, tensors, group_size, method, fallback_group_size, targets, log
+        )
+    if group_size is None:
+        group_size = DEFAULT_GROUP_SIZE
     names = linear_names(cfg)
     plan = plan_group_sizes(tensors, names, group_size, fallback_group_size)
     t0 = time.time()
@@ -326,13 +342,44 @@ def quantize_checkpoint(
     return report
 
 
+def _quantize_moe(model, out, cfg, tensors, group_size, method, fallback_group_size, targets, log):
+    if method != "rtn":
+        raise QuantizeError(
+            f"--method {method}: MoE checkpoints are quantized round-to-nearest (--method rtn); "
+            "GPTQ calibration here is per dense Llama layer"
+        )
+    if fallback_group_size is not None:
+        raise QuantizeError("--fallback-group-size applies to GPTQ (dense) checkpoints only")
+    if group_size is None:
+        group_size = pack_quantized.DEFAULT_GROUP_SIZE
+    try:
+        return pack_quantized.quantize_moe_checkpoint(
+            model, out, cfg, tensors, group_size=group_size, targets=targets, log=log
+        )
+    except pack_quantized.PackQuantizeError as e:
+        raise QuantizeError(str(e)) from None
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(
         prog="python -m kvguard.quant.quantize", description=__doc__.split("\n")[0]
     )
-    p.add_argument("--model", required=True, type=Path, help="BF16/FP16 HF Llama checkpoint folder")
-    p.add_argument("--out", required=True, type=Path, help="output folder (GPTQ INT4 checkpoint)")
-    p.add_argument("--group-size", type=int, default=128)
+    p.add_argument(
+        "--model", required=True, type=Path, help="BF16/FP16 HF Llama or DeepseekV3 checkpoint"
+    )
+    p.add_argument("--out", required=True, type=Path, help="output folder (INT4 checkpoint)")
+    p.add_argument(
+        "--group-size",
+        type=int,
+        default=None,
+        help=f"default {DEFAULT_GROUP_SIZE} (GPTQ), {pack_quantized.DEFAULT_GROUP_SIZE} (MoE)",
+    )
+    p.add_argument(
+        "--targets",
+        choices=pack_quantized.TARGETS,
+        default="experts",
+        help="MoE checkpoints: routed experts only (Kimi K2 Thinking's choice) or every MLP linear",
+    )
     p.add_argument(
         "--fallback-group-size",
         type=int,
@@ -356,6 +403,7 @@ def main(argv: list[str] | None = None) -> int:
             a.calib_seq_len,
             a.damp,
             fallback_group_size=a.fallback_group_size,
+            targets=a.targets,
         )
     except QuantizeError as e:
         print(f"error: {e}", file=sys.stderr)
