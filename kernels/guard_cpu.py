@@ -145,23 +145,24 @@ class CpuStepCheck(StepCheck):
 
     def __init__(self, ws: _Workspace, b: int, n: int, flags: tuple[int, int, int, int]):
         self.ws, self._b, self._n = ws, b, n
+        self._keep: tuple[object, ...] = ()  # the step's input tensors, alive for apply and seal
         self._flags = (bool(flags[0]), bool(flags[1]), bool(flags[2]))
         self._hashed = int(flags[3])
         self.sealed_hashed = 0
 
     # the reference's fields, as views (slow path only)
-    kinds = property(lambda s: s.ws.kinds[: s._b])  # type: ignore[assignment]
-    taint = property(lambda s: s.ws.taint)  # type: ignore[assignment]
-    reclaim = property(lambda s: s.ws.reclaim)  # type: ignore[assignment]
-    targets = property(lambda s: s.ws.targets[: s._n])  # type: ignore[assignment]
-    write_ok = property(lambda s: s.ws.write_ok[: s._n])  # type: ignore[assignment]
-    claim = property(lambda s: s.ws.claim[: s._n])  # type: ignore[assignment]
-    write_chain = property(lambda s: s.ws.write_chain[: s._n])  # type: ignore[assignment]
-    n_pages = property(lambda s: s.ws.n_pages[: s._b])  # type: ignore[assignment]
-    agg = property(lambda s: s.ws.agg[: s._b])  # type: ignore[assignment]
-    chain_len = property(lambda s: s.ws.chain_len[: s._b])  # type: ignore[assignment]
-    chain_tail = property(lambda s: s.ws.chain_tail[: s._b])  # type: ignore[assignment]
-    hashed = property(lambda s: torch.tensor([s._hashed]))  # type: ignore[assignment]
+    kinds = property(lambda s: s.ws.kinds[: s._b])
+    taint = property(lambda s: s.ws.taint)
+    reclaim = property(lambda s: s.ws.reclaim)
+    targets = property(lambda s: s.ws.targets[: s._n])
+    write_ok = property(lambda s: s.ws.write_ok[: s._n])
+    claim = property(lambda s: s.ws.claim[: s._n])
+    write_chain = property(lambda s: s.ws.write_chain[: s._n])
+    n_pages = property(lambda s: s.ws.n_pages[: s._b])
+    agg = property(lambda s: s.ws.agg[: s._b])
+    chain_len = property(lambda s: s.ws.chain_len[: s._b])
+    chain_tail = property(lambda s: s.ws.chain_tail[: s._b])
+    hashed = property(lambda s: torch.tensor([s._hashed]))
 
     def flags(self) -> tuple[bool, bool, bool]:
         return self._flags
@@ -239,6 +240,8 @@ class CpuKernels:
         assert isinstance(c, CpuStepCheck) and self._ctx is not None
         ctx = self._ctx
         rows, wb, wpos = c._keep[0], c._keep[1], c._keep[2]
+        assert isinstance(rows, torch.Tensor) and isinstance(wpos, torch.Tensor)
+        assert wb is None or isinstance(wb, torch.Tensor)
         C.apply_step(ctx.addr, x.step, c._b, rows.data_ptr(), c._n, _ptr(wb), wpos.data_ptr(),
                      page_size, c.ws.out_addr)  # fmt: skip
 
@@ -254,11 +257,12 @@ class CpuKernels:
         assert isinstance(c, CpuStepCheck)
         ctx = self._ctx
         assert ctx is not None
-        n = C.seal_step(
-            ctx.addr, c._n, c._keep[2].data_ptr(), page_size, int(checksums), c.ws.out_addr
+        wpos = c._keep[2]
+        assert isinstance(wpos, torch.Tensor)
+        c.sealed_hashed = C.seal_step(
+            ctx.addr, c._n, wpos.data_ptr(), page_size, int(checksums), c.ws.out_addr
         )
-        c.sealed_hashed = n
-        return c.hashed  # not on the hot path: tokens_hashed() reads the host count
+        return torch.tensor([c.sealed_hashed])  # not read on the hot path (tokens_hashed() is)
 
     def alloc_pages(self, P: PageArrays, slots: torch.Tensor, page_size: int, step: int) -> None:
         ctx = self._ctx_for(P)

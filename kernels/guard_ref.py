@@ -181,13 +181,15 @@ def _bits(mask: torch.Tensor, seg: torch.Tensor, num_segs: int, kind: int) -> to
     return (hit > 0).to(_I64) * kind
 
 
-def _push_history(P: PageArrays, pages: torch.Tensor, event: Event, step: int, rows) -> None:
+def _push_history(
+    P: PageArrays, pages: torch.Tensor, event: Event, step: int, rows: torch.Tensor | int
+) -> None:
     """Push (step, event, row) onto each page's history; a page whose newest entry is already
     exactly that keeps one (so a transition repeated within a step is recorded once)."""
     if pages.numel() == 0:
         return
-    rows = torch.as_tensor(rows, device=pages.device).to(_I64).expand(pages.shape)
-    packed = (step << 24) | (int(event) << 20) | (rows & NO_ROW)
+    row_ids = torch.as_tensor(rows, device=pages.device).to(_I64).expand(pages.shape)
+    packed = (step << 24) | (int(event) << 20) | (row_ids & NO_ROW)
     new = P.history[pages, 0] != packed
     pages, packed = pages[new], packed[new]
     P.history[pages] = torch.cat((packed[:, None], P.history[pages, : HISTORY - 1]), dim=1)
@@ -367,8 +369,8 @@ def check_step(
         & (wlp < n_pages1[wb])
         & (woff >= P.fill[wpage].to(_I64))
     )
-    w = winner[wpage].clamp(max=max(N - 1, 0))  # this step's winning claim of the page
-    held_now = (winner[wpage] < j) & (wb[w] == wb) & (wlp[w] == wlp) & claim_ok[w]
+    wj = winner[wpage].clamp(max=max(N - 1, 0))  # this step's winning claim of the page
+    held_now = (winner[wpage] < j) & (wb[wj] == wb) & (wlp[wj] == wlp) & claim_ok[wj]
     cont_ok = ~claim & in_place & table_ok & pos_ok & (held_before | held_now)
     write_ok = claim_ok | cont_ok
     kinds |= _bits(~table_ok, wb, B, TABLE_MISMATCH)

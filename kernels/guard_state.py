@@ -61,7 +61,10 @@ class PageArrays:
     @classmethod
     def empty(cls, num_pages: int, device: torch.device | str) -> PageArrays:
         d = torch.device(device)
-        z = lambda dtype: torch.zeros(num_pages, dtype=dtype, device=d)
+
+        def z(dtype: torch.dtype) -> torch.Tensor:
+            return torch.zeros(num_pages, dtype=dtype, device=d)
+
         return cls(
             state=z(torch.uint8),
             prior=z(torch.uint8),
@@ -96,7 +99,10 @@ class RowArrays:
     @classmethod
     def empty(cls, num_rows: int, device: torch.device | str) -> RowArrays:
         d = torch.device(device)
-        z = lambda dtype: torch.zeros(num_rows, dtype=dtype, device=d)
+
+        def z(dtype: torch.dtype) -> torch.Tensor:
+            return torch.zeros(num_rows, dtype=dtype, device=d)
+
         return cls(gen=z(_I32), n_pages=z(_I32), agg=z(_I64), chain_len=z(_I32), chain_tail=z(_I64))
 
     def tensors(self) -> list[torch.Tensor]:

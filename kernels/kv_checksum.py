@@ -64,8 +64,8 @@ if HAVE_TRITON:
     _FMIX_M2 = tl.constexpr(FMIX_M2)
     _POS_SEED = tl.constexpr(POS_SEED)
 
-    @triton.jit
-    def _kv_checksum_kernel(
+    @triton.jit  # type: ignore[untyped-decorator]
+    def _kv_checksum_kernel(  # type: ignore[no-untyped-def]
         words_ptr,  # int32 view of the buffer: [num_slots, W], row stride `stride_slot`
         consts_ptr,  # int64 C[b, 0:W] for this buffer
         slots_ptr,  # int32/int64 [N]

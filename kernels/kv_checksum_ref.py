@@ -110,7 +110,9 @@ def poskey_cpu(positions: torch.Tensor) -> torch.Tensor:
 _CONST_CACHE: dict[tuple[int, int, str], torch.Tensor] = {}
 
 
-def word_constants(num_buffers: int, words_per_row: int, device=None) -> torch.Tensor:
+def word_constants(
+    num_buffers: int, words_per_row: int, device: torch.device | str | None = None
+) -> torch.Tensor:
     """int64 [num_buffers, words_per_row]; C[b, j] = splitmix64(SEED + b*2**32 + j) | 1.
 
     C[b, j] depends only on (b, j), so a table built for a larger
@@ -156,7 +158,7 @@ def row_words(buf: torch.Tensor) -> torch.Tensor:
     return b.view(torch.int32)
 
 
-_VIEW_CACHE: dict[tuple, tuple[list, list[torch.Tensor]]] = {}
+_VIEW_CACHE: dict[tuple[int, ...], tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
 
 
 def _row_word_views(buffers: list[torch.Tensor]) -> list[torch.Tensor]:

@@ -151,7 +151,7 @@ class Guard:
         if agree is not None:
             summary = agree(summary)
         summary = summary.cpu()
-        kinds, taint, reclaim = summary[:B], summary[B : B + P] > 0, summary[B + P :] == 0
+        kinds, taint_mask, reclaim_mask = summary[:B], summary[B : B + P] > 0, summary[B + P :] == 0
         self._report_engine_events(step)
         if verdict.epochs is None:  # CPU: nothing found locally, but another rank found something
             verdict.epochs = self._snapshot_epochs(c)
@@ -164,8 +164,8 @@ class Guard:
             )
             bad.append(handles[b])
         self.actions.abort(violations, bad)
-        quarantined = self.actions.quarantine(torch.nonzero(taint).reshape(-1), epochs, step)
-        self.actions.reclaim(torch.nonzero(reclaim).reshape(-1), epochs, step)
+        quarantined = self.actions.quarantine(torch.nonzero(taint_mask).reshape(-1), epochs, step)
+        self.actions.reclaim(torch.nonzero(reclaim_mask).reshape(-1), epochs, step)
         self.flush_wanted |= quarantined > 0
         self._account(t0)
         return violations

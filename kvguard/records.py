@@ -9,10 +9,15 @@ has written up to (``kernels.guard_state.RowArrays``: 28 bytes per row). Rows ar
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from kvguard.kernels import guard_ref
 from kvguard.kernels.guard_state import RowArrays
+
+if TYPE_CHECKING:
+    from kvguard.ledger import PageLedger
 
 
 class RowRecords:
@@ -30,7 +35,7 @@ class RowRecords:
 
     def rebind(
         self,
-        pages,  # kvguard.ledger.PageLedger (typed loosely: the ledger imports this module)
+        pages: PageLedger,
         row: int,
         first_lpage: int,
         old_pages: torch.Tensor,
