@@ -15,12 +15,12 @@ STAMP="$VENV/.kvguard-setup-stamp"
 say() { printf 'setup: %s\n' "$*"; }
 die() { printf 'setup: error: %s\n' "$*" >&2; exit 1; }
 
-inputs_hash() {
-  cat requirements/*.txt pyproject.toml scripts/setup.sh | sha256sum | cut -d' ' -f1
+inputs_hash() {  # the compiled kernels' sources too: a changed .c file is rebuilt
+  cat requirements/*.txt pyproject.toml scripts/setup.sh kernels/csrc/*.c | sha256sum | cut -d' ' -f1
 }
 
-venv_works() {  # interpreter runs, kvguard imports, the sgl_kernel .pth hook is active
-  "$VENV/bin/python" -c 'import sys, kvguard
+venv_works() {  # interpreter runs, kvguard and its compiled kernels import, the .pth hook is active
+  "$VENV/bin/python" -c 'import sys, kvguard, kvguard.kernels._guard_cpu
 sys.exit(0 if any(type(f).__name__ == "SglKernelCompatFinder" for f in sys.meta_path) else 1)' \
     >/dev/null 2>&1
 }
@@ -70,7 +70,7 @@ say "torch, SGLang's CPU-path dependencies, test tools (requirements/{torch,sgla
 pip_install -r requirements/torch.txt -r requirements/sglang-cpu.txt -r requirements/test.txt "${LOCK[@]}"
 say "SGLang itself, without its CUDA-only dependency set (requirements/sglang.txt, --no-deps)"
 pip_install --no-deps -r requirements/sglang.txt
-say "kvguard, editable"
+say "kvguard, editable (builds the compiled CPU kernels, kernels/csrc/*.c, with the system C compiler)"
 pip_install --no-deps --no-build-isolation -e .
 
 # SGLang's scheduler imports sgl_kernel before any plugin loads; PyPI has no CPU build of it.
