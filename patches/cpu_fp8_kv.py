@@ -375,7 +375,7 @@ def around_load_kv_cache_scales(original, *args, **kwargs):
         or callable(getattr(model, "load_kv_cache_scales", None))
     ):
         return original(*args, **kwargs)
-    from sglang.srt.distributed import (
+    from sglang.srt.distributed.parallel_state import (
         get_tensor_model_parallel_rank,
         get_tensor_model_parallel_world_size,
     )

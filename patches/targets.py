@@ -355,6 +355,7 @@ _FB = "sglang.srt.model_executor.forward_batch_info.ForwardBatch"
 _RESULTS = "sglang.srt.managers.scheduler_components.batch_result_processor"
 _KVC = "sglang.srt.mem_cache.kv_cache_configurator"
 _POOLS = "sglang.srt.mem_cache.memory_pool"
+_CT = "sglang.srt.layers.quantization.compressed_tensors"
 
 # fmt: off
 SGLANG_NAMES = [
@@ -442,7 +443,7 @@ SGLANG_NAMES = [
     (f"{_KVC}.cpu_has_amx_support", "module_attr", "cpu_fp8_kv", "the AMX gate, answered once"),
     (f"{_KVC}.attention_backends", "module_attr", "cpu_fp8_kv", "the backend check after it"),
     (f"{_KVC}.KVCacheConfigurator.kv_cache_dtype", "attribute", "cpu_fp8_kv", "FP8 requested"),
-    (f"{_KVC}.KVCacheConfigurator.use_mla_backend", "attribute", "cpu_fp8_kv", "MLA refused"),
+    (f"{_KVC}.KVCacheConfigurator.use_mla_backend", "attribute", "cpu_fp8_kv", "MLA: the other gate"),
     (f"{_KVC}.KVCacheConfigurator.spec_algorithm", "attribute", "cpu_fp8_kv", "speculative decoding refused"),
     (f"{_KVC}.KVCacheConfigResult.token_to_kv_pool", "attribute", "cpu_fp8_kv", "the pool built"),
     ("sglang.srt.layers.quantization.fp4_kv_cache_quant_method.CPUFP8KVCacheMethod.name", "value", "cpu_fp8_kv", "the pool's quant method is SGLang's CPU FP8"),
@@ -482,5 +483,35 @@ SGLANG_NAMES = [
     ("sglang.srt.mem_cache.radix_cache.RadixKey.extra_key", "attribute", "cache_hooks", "the hit's prefix-cache namespace"),
     ("sglang.srt.mem_cache.radix_cache.RadixKey.cache_salt", "attribute", "cache_hooks", "the same, per-request salt"),
     (f"{_REQ}.cache_salt", "attribute", "tenancy", "a request's tenant: its prefix-cache salt"),
+    # -- MLA models on CPU (mla_cpu.py, cpu_fp8_kv.py's MLA part) --------------------------------
+    ("sglang.srt.models.deepseek_common.attention_backend_handler._dispatch_mla_subtype", "callable", "mla_cpu", "the absorbed-MLA method SGLang picks"),
+    ("sglang.srt.layers.rotary_embedding.factory.get_rope", "callable", "mla_cpu", "the generic rope factory"),
+    (f"{_KVC}.current_platform", "value", "cpu_fp8_kv", "rebound for one call: the pre-AMX MLA refusal"),
+    (f"{_POOLS}.MLATokenToKVPool.dtype", "attribute", "cpu_fp8_kv", "FP8 requested for the latent rows"),
+    (f"{_POOLS}.MLATokenToKVPool.start_layer", "attribute", "cpu_fp8_kv", "first layer of this rank"),
+    ("sglang.srt.models.deepseek_v2.DeepseekV2AttentionMLA.attn_mqa", "attribute", "cpu_fp8_kv", "the attention reading the latent cache"),
+    ("sglang.srt.models.deepseek_v2.DeepseekV2AttentionMLA.kv_lora_rank", "attribute", "cpu_fp8_kv", "marks an MLA attention module"),
+    ("sglang.srt.runtime_context.get_model", "callable", "cpu_fp8_kv", "the model argument group"),
+    ("sglang.srt.server_args.ServerArgs.quantization_param_path", "attribute", "cpu_fp8_kv", "the KV scales file"),
+    ("sglang.srt.model_loader.weight_utils.kv_cache_scales_loader", "callable", "cpu_fp8_kv", "SGLang's reader of that file"),
+    ("sglang.srt.distributed.parallel_state.get_tensor_model_parallel_rank", "callable", "cpu_fp8_kv", "the file's rank entry"),
+    ("sglang.srt.distributed.parallel_state.get_tensor_model_parallel_world_size", "callable", "cpu_fp8_kv", "and its rank count"),
+    # -- compressed-tensors W4A16 on CPU (int4_cpu_moe.py) --------------------------------------
+    (f"{_CT}.schemes.compressed_tensors_wNa16_moe.CompressedTensorsWNA16MoE", "callable", "int4_cpu_moe", "the experts' scheme"),
+    (f"{_CT}.schemes.compressed_tensors_wNa16_moe.CompressedTensorsWNA16MoE.num_bits", "attribute", "int4_cpu_moe", "4-bit only"),
+    (f"{_CT}.schemes.compressed_tensors_wNa16_moe.CompressedTensorsWNA16MoE.sym", "attribute", "int4_cpu_moe", "symmetric only"),
+    (f"{_CT}.schemes.compressed_tensors_wNa16_moe.CompressedTensorsWNA16MoE.strategy", "attribute", "int4_cpu_moe", "group quantization only"),
+    (f"{_CT}.schemes.compressed_tensors_wNa16_moe.CompressedTensorsWNA16MoE.group_size", "attribute", "int4_cpu_moe", "the GEMM's group size"),
+    (f"{_CT}.schemes.compressed_tensors_wNa16_moe.CompressedTensorsWNA16MoE.actorder", "attribute", "int4_cpu_moe", "no activation reordering"),
+    (f"{_CT}.schemes.compressed_tensors_wNa16_moe.CompressedTensorsWNA16MoE.moe_runner_config", "attribute", "int4_cpu_moe", "activation and routing settings"),
+    (f"{_CT}.schemes.compressed_tensors_wNa16.CompressedTensorsWNA16", "callable", "int4_cpu_moe", "the linears' scheme"),
+    (f"{_CT}.schemes.compressed_tensors_wNa16.CompressedTensorsWNA16.group_size", "attribute", "int4_cpu_moe", "the GEMM's group size"),
+    (f"{_CT}.compressed_tensors.CompressedTensorsConfig.get_scheme_dict", "callable", "int4_cpu_moe", "a linear's weight settings"),
+    (f"{_CT}.compressed_tensors.CompressedTensorsConfig.quant_format", "attribute", "int4_cpu_moe", "pack-quantized"),
+    ("sglang.srt.layers.moe.token_dispatcher.StandardCombineInput", "callable", "int4_cpu_moe", "the experts' output"),
+    ("sglang.srt.layers.moe.token_dispatcher.StandardDispatchOutput.topk_output", "attribute", "int4_cpu_moe", "routing of the experts' input"),
+    ("sglang.srt.layers.moe.moe_runner.MoeRunnerConfig.apply_router_weight_on_input", "attribute", "int4_cpu_moe", "unsupported on CPU"),
+    ("sglang.srt.layers.moe.moe_runner.MoeRunnerConfig.activation", "attribute", "int4_cpu_moe", "SiLU only"),
+    ("sglang.srt.layers.moe.moe_runner.MoeRunnerConfig.gemm1_alpha", "attribute", "int4_cpu_moe", "plain SiLU-and-mul only"),
 ]
 # fmt: on
