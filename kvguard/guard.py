@@ -240,30 +240,35 @@ class Guard:
 
     def on_share(self, slots: torch.Tensor, row: int) -> None:
         """The prefix cache took row ``row``'s KV up to these slots: its own pages become shared."""
+        t0 = time.perf_counter()
         self.ledger.share(self.records, slots, row, self.step)
+        self._account(t0)
 
     def on_rebind(
         self, row: int, first_position: int, old_slots: torch.Tensor, new_slots: torch.Tensor
     ) -> None:
         """The prefix cache replaced the row's slots from ``first_position`` by its own copies."""
+        t0 = time.perf_counter()
         ps = self.ledger.page_size
         start = -(-first_position // ps) * ps  # only whole pages move (inserts are page aligned)
         skip = start - first_position
         old, new = old_slots[skip::ps], new_slots[skip::ps]
-        if old.numel() == 0 or torch.equal(old, new):
-            return
-        self.records.rebind(
-            self.ledger,
-            row,
-            start // ps,
-            self.ledger.pages_of(old),
-            self.ledger.pages_of(new),
-            self.step,
-        )
+        if old.numel() and not torch.equal(old, new):
+            self.records.rebind(
+                self.ledger,
+                row,
+                start // ps,
+                self.ledger.pages_of(old),
+                self.ledger.pages_of(new),
+                self.step,
+            )
+        self._account(t0)
 
     def on_rows_allocated(self, rows: torch.Tensor) -> None:
         """Rows handed to new requests: forget what their previous owners expected."""
+        t0 = time.perf_counter()
         self.records.reset_rows(rows)
+        self._account(t0)
 
     def reset(self) -> None:
         """The engine cleared its pool: every page free, no record, nothing quarantined."""
@@ -304,6 +309,13 @@ class Guard:
         (whole pages, from position 0)? The hand-off rule of the step check, asked early so the
         engine can refuse the hit (the request prefills its own KV) instead of the guard aborting
         it. Host reads: CPU pools only."""
+        t0 = time.perf_counter()
+        try:
+            return self._adoptable(slots, tokens, seed)
+        finally:
+            self._account(t0)
+
+    def _adoptable(self, slots: torch.Tensor, tokens: list[int], seed: int) -> bool:
         ps, n = self.ledger.page_size, slots.numel()
         if n == 0 or n % ps or len(tokens) < n:
             return n == 0
@@ -367,3 +379,8 @@ class Guard:
 
     def _account(self, t0: float) -> None:
         self.metrics.check_seconds.inc(time.perf_counter() - t0)
+
+    def charge(self, t0: float) -> None:
+        """The adapter's own host time for the guard since ``t0`` (``time.perf_counter()``):
+        building the step view, capturing rows around a prefix-cache insert."""
+        self._account(t0)

@@ -4,6 +4,8 @@ batch's requests (aborted, never served unchecked), never the scheduler."""
 
 from __future__ import annotations
 
+import time
+
 import structlog
 import torch
 
@@ -41,7 +43,9 @@ def around_model_forward(original, runner, forward_batch, *args, **kwargs):
         _count_unchecked(forward_batch)  # a forward outside the scheduler's batch path
     else:
         try:
+            t0 = time.perf_counter()
             view = step_view(forward_batch, batch, runner.forward_pass_id + 1)
+            guard.charge(t0)
             if view is not None:
                 verdict = guard.before_forward(view)
             else:
