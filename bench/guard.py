@@ -13,7 +13,7 @@ to show what the idle hooks cost. Servers never run side by side: an idle SGLang
 busy-polls a core.
 
     python -m kvguard.bench.guard [--rounds 10] [--concurrency 16] [--max-new-tokens 64]
-        [--out results.json] [-- kvguard-serve args, e.g. --kvguard-sweep-tokens-per-step 256]
+        [--prompt-tokens 1700] [--out results.json] [-- kvguard-serve args]
 """
 
 from __future__ import annotations
@@ -55,7 +55,7 @@ def guard_counters(srv: ServeProcess) -> tuple[float, float]:
 
 async def _stream(session, url, prompt, max_new_tokens):
     body = {
-        "text": prompt,
+        **({"input_ids": prompt} if isinstance(prompt, list) else {"text": prompt}),
         "stream": True,
         "sampling_params": {"temperature": 0, "max_new_tokens": max_new_tokens, "ignore_eos": True},
     }
@@ -83,10 +83,15 @@ async def run_round(url, prompts, max_new_tokens):
     return {"tokens": tokens, "seconds": wall, "itl": itl}
 
 
-def workload(n: int) -> list[str]:
+def workload(n: int, prompt_tokens: int | None = None) -> list:
+    """``n`` prompts: short code-like texts (about 40 tokens), or with ``prompt_tokens`` that
+    many token ids each (seeded random ids of the embedded model's vocabulary: a long prefill
+    costs the same whatever the tokens say)."""
     import random
 
     rng = random.Random(0)
+    if prompt_tokens:
+        return [[rng.randrange(3, 4096) for _ in range(prompt_tokens)] for _ in range(n)]
     heads = ["def parse(self, text):\n", "import os\nimport sys\n\n", "class Cache(object):\n    "]
     return [
         rng.choice(heads)
@@ -108,6 +113,12 @@ def main(argv=None):
     ap.add_argument("--rounds", type=int, default=10)
     ap.add_argument("--concurrency", type=int, default=16)
     ap.add_argument("--max-new-tokens", type=int, default=64)
+    ap.add_argument(
+        "--prompt-tokens",
+        type=int,
+        default=None,
+        help="prompts of this many token ids (default: short texts of about 40 tokens)",
+    )
     ap.add_argument("--model-path", default=None)
     ap.add_argument("--out", default=None, help="write the results as JSON here")
     ap.add_argument(
@@ -117,10 +128,11 @@ def main(argv=None):
     extra = [x for x in a.server_args if x != "--"]
     if a.model_path:
         extra += ["--model-path", a.model_path]
-    extra += ["--max-total-tokens", "8192", "--page-size", "16"]
+    need = a.concurrency * ((a.prompt_tokens or 64) + a.max_new_tokens)
+    extra += ["--max-total-tokens", str(max(8192, 2 * need)), "--page-size", "16"]
 
     work = Path(tempfile.mkdtemp(prefix="kvguard-bench-"))
-    prompts = workload(a.concurrency)
+    prompts = workload(a.concurrency, a.prompt_tokens)
     results = {m: [] for m in ["no hooks"] + MODES}
 
     def measure(srv, mode, r):
@@ -182,10 +194,14 @@ def main(argv=None):
         itl = [
             pct(m["itl"], 0.5) / pct(o["itl"], 0.5) for m, o in zip(results[mode], results["off"])
         ]
+        itl99 = [
+            pct(m["itl"], 0.99) / pct(o["itl"], 0.99) for m, o in zip(results[mode], results["off"])
+        ]
         summary[mode].update(
             paired_tok_s=statistics.median(pairs),
             paired_tok_s_range=[min(pairs), max(pairs)],
             paired_itl_p50=statistics.median(itl),
+            paired_itl_p99=statistics.median(itl99),
         )
     print(
         "\n| mode | tok/s (median of rounds) | tok/s vs off, paired median [lowest, highest round] | ITL p50 ms | vs off (paired) | ITL p99 ms | vs off | guard host time, share of wall | guard ms/step |"
@@ -200,7 +216,8 @@ def main(argv=None):
         itl_ratio = s.get("paired_itl_p50", s["itl_p50_ms"] / off["itl_p50_ms"])
         print(
             f"| {mode} | {s['tok_s']:.1f} | {paired} | {s['itl_p50_ms']:.2f} | "
-            f"{itl_ratio:.3f} | {s['itl_p99_ms']:.2f} | {s['itl_p99_ms'] / off['itl_p99_ms']:.3f} | "
+            f"{itl_ratio:.3f} | {s['itl_p99_ms']:.2f} | "
+            f"{s.get('paired_itl_p99', s['itl_p99_ms'] / off['itl_p99_ms']):.3f} | "
             f"{100 * s['guard_share_of_wall']:.2f}% | {s['guard_ms_per_step']:.3f} |"
         )
     if a.out:
