@@ -25,6 +25,10 @@ def _ptr(t: torch.Tensor | None) -> int:
     return 0 if t is None else t.data_ptr()
 
 
+def _ok(t: torch.Tensor) -> bool:
+    return t.dtype == _I64 and t.device.type == "cpu" and t.is_contiguous()
+
+
 def _need(t: torch.Tensor, dtype: torch.dtype, what: str) -> torch.Tensor:
     if t.device.type != "cpu":
         raise ValueError(f"{what} must be on the CPU for the compiled CPU kernels")
@@ -208,16 +212,16 @@ class CpuKernels:
         ws = self._ws[self._turn]
         self._turn ^= 1
         ws.fit(max(B, 1), max(N, 1), T)
-        rows = _need(x.rows, _I64, "rows")
+        rows, wpos, wtok = x.rows, x.write_pos, x.write_tokens
+        if not (_ok(rows) and _ok(wpos) and _ok(wtok)):  # SGLang's own tensors pass as they are
+            rows, wpos, wtok = (_need(t, _I64, "step inputs") for t in (rows, wpos, wtok))
         host_lens = array("q", x.prefix_lens_host)
         wslots = x.write_slots
-        if wslots.dtype != _I64 or not wslots.is_contiguous():
+        if not _ok(wslots):
             raise ValueError(
-                "write slots must be a contiguous int64 tensor (the firewall writes it)"
+                "write slots must be a contiguous int64 CPU tensor (the firewall writes it)"
             )
         wb = None if x.write_batch is None else _need(x.write_batch, _I64, "write batch")
-        wpos = _need(x.write_pos, _I64, "write positions")
-        wtok = _need(x.write_tokens, _I64, "write tokens")
         pt = x.page_table
         if pt.dtype != torch.int32 or pt.stride(1) != 1:
             raise ValueError("page table must be int32 with contiguous rows")

@@ -68,6 +68,7 @@ class Guard:
         self._stale_freed: list[torch.Tensor] = []  # pages a stale holder tried to free
         self._unresolved: StepVerdict | None = None  # the newest verdict not read yet
         self.host_reads_free = self.device.type == "cpu"
+        self._seconds, self._steps, self._tokens, self._hashed = 0.0, 0, 0, 0  # not yet flushed
         self.metrics.state_bytes.set(self.state_bytes)
 
     # -- configuration --------------------------------------------------------------------------------
@@ -104,8 +105,8 @@ class Guard:
         else:
             verdict.epochs = self._snapshot_epochs(check)
         self._unresolved = verdict
-        self.metrics.steps_checked.inc()
-        self.metrics.tokens_checked.inc(len(view.prefix_lens_host) + view.write_slots.numel())
+        self._steps += 1
+        self._tokens += len(view.prefix_lens_host) + view.write_slots.numel()
         self._account(t0)
         return verdict
 
@@ -137,12 +138,13 @@ class Guard:
         events = bool(self._double_freed or self._stale_freed)
         if agree is None and not events:
             flagged, tainted, reclaim = c.flags()
-            self.metrics.tokens_checksummed.inc(c.tokens_hashed())
+            self._hashed += c.tokens_hashed()
             if not (flagged or tainted or reclaim):
                 self._account(t0)
+                self._flush_metrics()
                 return []  # a clean step: nothing to gather
         else:
-            self.metrics.tokens_checksummed.inc(c.tokens_hashed())
+            self._hashed += c.tokens_hashed()
         B = len(verdict.view.prefix_lens_host)
         P = self.ledger.num_pages
         kinds = c.kinds[:B].to(torch.int64)
@@ -168,6 +170,7 @@ class Guard:
         self.actions.reclaim(torch.nonzero(reclaim_mask).reshape(-1), epochs, step)
         self.flush_wanted |= quarantined > 0
         self._account(t0)
+        self._flush_metrics()
         return violations
 
     def resolve_failed(self, handles: list[object], agree: Agreement | None = None) -> None:
@@ -236,6 +239,7 @@ class Guard:
             self.ledger.num_quarantined += int(withheld.sum())
         out = pages[keep]
         self._account(t0)
+        self._flush_metrics()  # a request finished: its last hooks reach the counters now
         return out
 
     def on_share(self, slots: torch.Tensor, row: int) -> None:
@@ -277,6 +281,7 @@ class Guard:
         self.actions.num_quarantined_total = 0
         self._double_freed.clear()
         self._stale_freed.clear()
+        self._flush_metrics()
 
     # -- questions the adapter may ask --------------------------------------------------------------------
     def unread_taint(self) -> bool:
@@ -378,7 +383,19 @@ class Guard:
                 )
 
     def _account(self, t0: float) -> None:
-        self.metrics.check_seconds.inc(time.perf_counter() - t0)
+        self._seconds += time.perf_counter() - t0
+
+    def _flush_metrics(self) -> None:
+        """Counters reach Prometheus once per step (at resolve), not once per hook: each
+        increment is a write into SGLang's multiprocess metric files."""
+        m = self.metrics
+        m.check_seconds.inc(self._seconds)
+        if self._steps:
+            m.steps_checked.inc(self._steps)
+            m.tokens_checked.inc(self._tokens)
+        if self._hashed:
+            m.tokens_checksummed.inc(self._hashed)
+        self._seconds, self._steps, self._tokens, self._hashed = 0.0, 0, 0, 0
 
     def charge(self, t0: float) -> None:
         """The adapter's own host time for the guard since ``t0`` (``time.perf_counter()``):
