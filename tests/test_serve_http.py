@@ -115,6 +115,9 @@ def test_metrics_include_guard_and_sglang_series(server):
     assert values.get("kvguard_steps_checked_total", 0) > 0, text[:2000]
     assert values.get("kvguard_tokens_checked_total", 0) > 0
     assert "kvguard_requests_aborted_total" in values
+    # the guard's own memory, and no forward served unchecked
+    assert values.get("kvguard_state_bytes", 0) > 0
+    assert values.get("kvguard_unchecked_forwards_total", 0) == 0
     # the launcher's own (tokenizer-side) series share the same multiprocess registry
     assert any(name.startswith("sglang:prompt_tokens_total") for name in values), sorted(values)[
         :50
@@ -126,6 +129,7 @@ def test_guard_runs_in_scheduler_process(server):
     info = requests.get(f"{server.url}/server_info", timeout=30).json()
     status = info["kvguard"]  # reported by the scheduler's start-up handshake
     assert status["active"] and status["mode"] == "sampled" and status["page_size"] == 16
+    assert status["kernels"] == "cpu" and status["state_bytes"] > 0  # the compiled kernels run
     pid = status["pid"]
     assert pid != server.proc.pid
     scheduler = psutil.Process(pid)
