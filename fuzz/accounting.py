@@ -200,9 +200,12 @@ class Watch:
         self.victims: dict[str, str] = dict.fromkeys(victims, "writer")  # rid -> why
         self.exposed: set[str] = set()
         self.transient: dict[int, Content] = {}  # what this forward's readers see (in flight)
-        self.foreign: dict[str, object] = {}  # rid -> writer whose writes here may be dropped
+        # rid -> writer whose writes into these pages are bad (a write firewall drops them): the
+        # bytes tell whether each landed
+        self.foreign: dict[str, object] = {}
         self.poisoned: dict[str, object] = {}  # rid -> request computing from wrong KV
         self.last_event = step
+        self.bad_writes = self.bad_writes_landed = 0  # foreign writes: made, and not dropped
         self._running: dict[str, object] = {}  # victims by rid, to tell whether one still runs
         self._checks: list[tuple[int, Content]] = []  # foreign writes: did the bytes change?
         self._saved: list[torch.Tensor] | None = None
@@ -237,7 +240,8 @@ class Watch:
 
     def after_forward(self, scan: Scan, pool, step: int) -> bool:
         """Foreign writes that landed now hold their writer's KV; judge this forward's readers
-        of them again (they read it in this very forward, after the write)."""
+        of them again (they read it in this very forward, after the write). True when there were
+        foreign writes (their count changed)."""
         if not self._checks:
             return False
         slots = torch.tensor([s for s, _ in self._checks], dtype=torch.int64)
@@ -245,12 +249,13 @@ class Watch:
         for (slot, content), hit in zip(self._checks, landed):
             if hit:
                 self.contents[slot] = content
+        self.bad_writes += len(landed)
+        self.bad_writes_landed += sum(landed)
         self._checks, self._saved = [], None
-        if not any(landed):
-            return False
-        grew = self._judge(scan, step)
-        self._poison_writes(scan)
-        return grew
+        if any(landed):
+            self._judge(scan, step)
+            self._poison_writes(scan)
+        return True
 
     def _poison_writes(self, scan: Scan) -> None:
         """What a request reading wrong KV writes in this forward is wrong for whoever adopts it

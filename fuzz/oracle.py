@@ -98,6 +98,7 @@ def injections_from_log(events: list[dict], planned: list[dict]) -> dict[int, di
             "why": {},
             "detail": None,
             "pending": False,
+            "bad_writes": [0, 0],  # writes into pages the writer does not own: landed, made
         }
         for e in planned
     }
@@ -118,6 +119,7 @@ def injections_from_log(events: list[dict], planned: list[dict]) -> dict[int, di
                 rec["status"], rec["at_step"] = "injected", ev.get("at_step")
             rec["detail"] = ev.get("detail") if kind != "victims" else rec["detail"]
             rec["pending"] = bool(ev.get("pending"))
+            rec["bad_writes"] = ev.get("bad_writes") or rec.get("bad_writes") or [0, 0]
             for rid in ev.get("victims", []):
                 rec["victims"].setdefault(rid, ev.get("at_step"))  # first step it was a victim
             for rid in ev.get("exposed", []):

@@ -146,6 +146,7 @@ def _record(st, inj, event):
             "exposed": w.only_exposed,  # held a page involved, own KV intact
             "detail": inj.detail,
             "pending": inj.pending is not None,  # a stale write not landed yet
+            "bad_writes": [w.bad_writes_landed, w.bad_writes],  # landed, made (shared_write)
         }
     )
 

@@ -24,6 +24,9 @@ def summarize(cfg: dict) -> dict:
             a["injections"] += 1
             for k in ("aborts", "victims_aborted", "collateral"):
                 a[k] += inj.get(k, 0)
+            landed, made = inj.get("bad_writes") or (0, 0)
+            a["bad_writes_landed"] += landed
+            a["bad_writes"] += made
         if inj.get("canary_flagged"):
             by_class[inj["cls"]]["canary_flagged"] += 1
         if inj.get("steps_to_abort") is not None:
@@ -67,6 +70,9 @@ def summarize(cfg: dict) -> dict:
             k: {"median": statistics.median(v), "max": max(v), "n": len(v)}
             for k, v in sorted(lags.items())
         },
+        # writes into a page the writer does not own that reached the KV (a firewall drops them)
+        "bad_writes_landed": sum(a["bad_writes_landed"] for a in aborts.values()),
+        "bad_writes": sum(a["bad_writes"] for a in aborts.values()),
         "server_deaths": len(cfg.get("deaths", [])),
         "clean_pass_guard_aborts": len(cfg.get("clean_guard_aborts", [])),
         "idle_used_tokens_max": max((u for u in idle_used if u is not None), default=None),
@@ -89,6 +95,8 @@ def verdict(cfg: dict) -> list[str]:
         bad.append(f"{s['requests']['false_abort'] + s['clean_pass_guard_aborts']} false aborts")
     if s["requests"]["collateral"]:
         bad.append(f"{s['requests']['collateral']} collateral aborts")
+    if s["bad_writes_landed"]:
+        bad.append(f"{s['bad_writes_landed']} of {s['bad_writes']} bad writes landed")
     if s["requests"]["error"]:
         bad.append(f"{s['requests']['error']} failed requests")
     if s["server_deaths"]:
@@ -268,18 +276,23 @@ def _aborts_table(report: dict) -> list[str]:
         "## Aborts per injection, by class",
         "",
         "Victims aborted: requests an injection harmed (read or would read wrong KV); "
-        "collateral: requests only exposed to it (held a page involved, own KV intact), aborted.",
+        "collateral: requests only exposed to it (held a page involved, own KV intact), aborted. "
+        "Bad writes: forward writes into a page the writer does not own (`shared_write`), landed "
+        "of made (the page's bytes changed): a write firewall lands none.",
         "",
         "| configuration | class | injections run | aborts | victims aborted | collateral | "
-        "aborts per injection |",
-        "| --- | --- | --- | --- | --- | --- | --- |",
+        "aborts per injection | bad writes landed |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for c, cls, a in rows:
         n = a.get("injections", 0)
         per = f"{a.get('aborts', 0) / n:.2f}" if n else ""
+        writes = (
+            f"{a.get('bad_writes_landed', 0)} of {a['bad_writes']}" if a.get("bad_writes") else ""
+        )
         out.append(
             f"| {c['mode']} ps{c['page_size']} | {cls} | {n} | {a.get('aborts', 0)} | "
-            f"{a.get('victims_aborted', 0)} | {a.get('collateral', 0)} | {per} |"
+            f"{a.get('victims_aborted', 0)} | {a.get('collateral', 0)} | {per} | {writes} |"
         )
     return out + [""]
 

@@ -65,6 +65,7 @@ EXTEND_CLASSES = (  # need a prefix-hit prefill
     "never_written",
     "cross_tenant",
 )
+REUSE_CLASSES = ("stale_writer",)  # harm only once a later request reuses the page
 TENANT_CLASSES = ("cross_tenant",)  # need tenants in the workload and tenant isolation on
 # (extra_key, cache_salt): SGLang's namespace fields, alone and together; (None, None) is none.
 TENANTS = ((None, None), (None, "tenant-a"), ("tenant-b", None), ("tenant-c", "salt-c"))
@@ -173,7 +174,8 @@ def schedule_injections(
     seed: int, waves: list[Wave], num_injections: int, classes: list[str], max_tries: int = 80
 ) -> None:
     """Deal ``num_injections`` plan entries round-robin over the waves (none in the first wave: it
-    has no earlier conversation to hit)."""
+    has no earlier conversation to hit; none of ``REUSE_CLASSES`` in the last: nothing after it
+    reuses the pages)."""
     rng = random.Random(f"kvguard-fuzz-schedule-{seed}")
     if num_injections <= 0 or not classes:
         return
@@ -184,9 +186,11 @@ def schedule_injections(
         if not deck:
             deck = list(classes)
             rng.shuffle(deck)
-        w = eligible[i % len(eligible)]
-        w.injections.append(
-            {"id": 0, "cls": deck.pop(), "seed": rng.randrange(2**31), "max_tries": max_tries}
+        cls, k = deck.pop(), i % len(eligible)
+        if cls in REUSE_CLASSES and eligible[k] is waves[-1] and len(eligible) > 1:
+            k -= 1
+        eligible[k].injections.append(
+            {"id": 0, "cls": cls, "seed": rng.randrange(2**31), "max_tries": max_tries}
         )
     for w in waves:  # the plugin injects in order: prefix-hit classes first, while prefills run
         w.injections.sort(key=lambda e: e["cls"] not in EXTEND_CLASSES)

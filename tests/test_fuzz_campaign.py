@@ -32,6 +32,8 @@ def test_schedule_is_a_function_of_the_seed():
     classes = [e["cls"] for _, _, entries in plan(3) for e in entries]
     assert sorted(set(classes)) == sorted(INJECTORS)  # every class twice
     assert all(classes.count(c) == 2 for c in INJECTORS)
+    *_, (_, _, last) = plan(3)
+    assert "stale_writer" not in {e["cls"] for e in last}  # nothing after it would reuse a page
 
 
 def test_workload_tenants_share_prefixes_across_tenants():
@@ -218,6 +220,7 @@ def _no_harm(cfg: dict, where: str) -> None:
         summary["aborts_by_class"],
         where,
     )
+    assert summary["bad_writes_landed"] == 0, (summary["aborts_by_class"], where)  # firewall
     assert summary["requests"]["error"] == 0, (
         [r for r in cfg["requests"] if r["outcome"] == "error"][:5],
         where,
