@@ -168,15 +168,24 @@ def wrap_tokenizer(tok, model_max_length: int):
     )
 
 
+# OpenAI chat clients (/v1/chat/completions) need a template; a code model has no dialogue
+# format, so messages become comment lines and the answer follows the last one.
+CHAT_TEMPLATE = (
+    "{% for m in messages %}# {{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}# assistant:{% endif %}"
+)
+
+
 def _portable_tokenizer_config(out: Path) -> None:
     """transformers 5 writes ``tokenizer_class: TokenizersBackend``, which 4.x
     does not know; ``PreTrainedTokenizerFast`` loads the same tokenizer.json in
-    both (in 5.x it is an alias of ``TokenizersBackend``)."""
+    both (in 5.x it is an alias of ``TokenizersBackend``). Adds the chat template."""
     p = out / "tokenizer_config.json"
     cfg = json.loads(p.read_text())
     cfg["tokenizer_class"] = "PreTrainedTokenizerFast"
     cfg["add_bos_token"] = True
     cfg["add_eos_token"] = False
+    cfg["chat_template"] = CHAT_TEMPLATE
     p.write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
 
 
