@@ -22,6 +22,76 @@ FUZZ_TARGETS = [
     ),
 ]
 
+# Every other SGLang name the fuzz tool reads or calls (a version bump that renames one breaks an
+# injector silently: its entries end as injector_error). Rows as patches/targets.py SGLANG_NAMES:
+# (dotted name, kind, fuzz module that uses it, why); tests/test_fuzz_names.py resolves them.
+_SCHED = "sglang.srt.managers.scheduler.Scheduler"
+_BATCH = "sglang.srt.managers.schedule_batch.ScheduleBatch"
+_REQ = "sglang.srt.managers.schedule_batch.Req"
+_REQ_KV = "sglang.srt.managers.schedule_batch.ReqKvInfo"
+_ALLOC = "sglang.srt.mem_cache.allocator.base.BaseTokenToKVPoolAllocator"
+_RADIX = "sglang.srt.mem_cache.unified_radix_cache.UnifiedRadixCache"
+_KEY = "sglang.srt.mem_cache.radix_cache.RadixKey"
+_POOLS = "sglang.srt.mem_cache.memory_pool"
+# fmt: off
+FUZZ_NAMES = [
+    (f"{_SCHED}.tp_worker", "attribute", "injectors", "reaches the model runner's KV pool"),
+    ("sglang.srt.managers.tp_worker.TpModelWorker.model_runner", "attribute", "injectors", "same"),
+    ("sglang.srt.model_executor.model_runner.ModelRunner.token_to_kv_pool", "attribute", "injectors", "the KV pool"),
+    (f"{_SCHED}.tp_group", "attribute", "plugin", "a plan entry's tensor-parallel rank"),
+    ("sglang.srt.distributed.parallel_state.GroupCoordinator.rank_in_group", "attribute", "plugin", "same"),
+    (f"{_POOLS}.ReqToTokenPool.req_to_token", "attribute", "accounting", "slot per row and position"),
+    ("sglang.srt.model_executor.forward_batch_info.ForwardMode.is_decode", "callable", "accounting", "decode batch"),
+    ("sglang.srt.model_executor.forward_batch_info.ForwardMode.is_extend", "callable", "accounting", "extend batch"),
+    ("sglang.srt.mem_cache.base_prefix_cache.MatchResult.device_prefix_len", "value", "cross_tenant", "a hit's length"),
+    ("sglang.srt.mem_cache.base_prefix_cache.MatchResult.last_device_node", "value", "cross_tenant", "a hit's last node"),
+    (f"{_SCHED}.token_to_kv_pool_allocator", "attribute", "injectors", "frees, allocations, free list"),
+    (f"{_SCHED}.req_to_token_pool", "attribute", "injectors", "the page table"),
+    (f"{_SCHED}.tree_cache", "attribute", "cross_tenant", "the prefix cache"),
+    (f"{_SCHED}.running_batch", "attribute", "accounting", "live requests"),
+    (f"{_SCHED}.waiting_queue", "attribute", "accounting", "live requests"),
+    (f"{_SCHED}.chunked_req", "attribute", "accounting", "a chunked prefill between its chunks"),
+    (f"{_BATCH}.reqs", "attribute", "accounting", "the batch's requests"),
+    (f"{_BATCH}.forward_mode", "attribute", "accounting", "decode or extend"),
+    (f"{_BATCH}.out_cache_loc", "attribute", "accounting", "the slots this forward writes"),
+    (f"{_BATCH}.seq_lens", "attribute", "accounting", "decode positions"),
+    (f"{_BATCH}.prefix_lens", "attribute", "accounting", "extend: first position written"),
+    (f"{_BATCH}.extend_lens", "attribute", "accounting", "extend: tokens written per request"),
+    (f"{_REQ}.rid", "attribute", "accounting", "request ids in the log"),
+    (f"{_REQ}.origin_input_ids", "attribute", "accounting", "the tokens two KV rows are compared by"),
+    (f"{_REQ}.output_ids", "attribute", "accounting", "same"),
+    (f"{_REQ}.extra_key", "attribute", "accounting", "prefix-cache namespace"),
+    (f"{_REQ}.cache_salt", "attribute", "accounting", "prefix-cache namespace"),
+    (f"{_REQ}.prefix_len", "attribute", "injectors", "a prefix-cache hit's length"),
+    (f"{_REQ}.finished", "callable", "accounting", "finished requests hold nothing"),
+    (f"{_REQ}.kv", "attribute", "accounting", "the request's KV bookkeeping"),
+    (f"{_REQ_KV}.holds_kv", "value", "accounting", "whether it holds a page-table row"),
+    (f"{_REQ_KV}.req_pool_idx", "attribute", "accounting", "its page-table row"),
+    (f"{_REQ_KV}.kv_allocated_len", "attribute", "accounting", "positions its row maps"),
+    (f"{_REQ_KV}.kv_committed_len", "attribute", "accounting", "positions written (read)"),
+    (f"{_REQ_KV}.cache_protected_len", "attribute", "injectors", "prefix the tree owns"),
+    (f"{_ALLOC}.page_size", "attribute", "accounting", "slots per page"),
+    (f"{_ALLOC}.free_pages", "attribute", "injectors", "double_allocation pushes a page twice"),
+    (f"{_ALLOC}.get_all_free_pages", "callable", "accounting", "pages on the free list"),
+    (f"{_ALLOC}.free", "callable", "injectors", "premature free"),
+    (f"{_ALLOC}.alloc", "callable", "injectors", "never_written: a page nobody writes"),
+    (f"{_RADIX}.match_prefix", "callable", "cross_tenant", "the lookup the injected bug wraps"),
+    (f"{_RADIX}._match_tree", "callable", "cross_tenant", "the bare tree walk, to probe namespaces"),
+    (f"{_RADIX}.path_device_indices", "callable", "cross_tenant", "slots of a matched path"),
+    (f"{_RADIX}.all_values_flatten", "callable", "injectors", "slots the tree holds"),
+    (f"{_RADIX}.page_size", "attribute", "cross_tenant", "a hit is a page at least"),
+    ("sglang.srt.mem_cache.base_prefix_cache.MatchPrefixParams", "callable", "cross_tenant", "a lookup's parameters (a dataclass: key, req)"),
+    (f"{_KEY}.token_ids", "attribute", "cross_tenant", "a lookup key's tokens"),
+    (f"{_KEY}.extra_key", "attribute", "cross_tenant", "a lookup key's namespace"),
+    (f"{_KEY}.cache_salt", "attribute", "cross_tenant", "same"),
+    (f"{_KEY}.is_bigram", "attribute", "cross_tenant", "kept as it was"),
+    (f"{_KEY}.limit", "attribute", "cross_tenant", "kept as it was"),
+    (f"{_POOLS}.MHATokenToKVPool.k_buffer", "attribute", "kvbytes", "K per layer"),
+    (f"{_POOLS}.MHATokenToKVPool.v_buffer", "attribute", "kvbytes", "V per layer"),
+    (f"{_POOLS}.MLATokenToKVPool.kv_buffer", "attribute", "kvbytes", "one latent row per token and layer"),
+]
+# fmt: on
+
 _state = None
 
 
