@@ -28,6 +28,7 @@ from kvguard.config import ConfigError, GuardConfig, Mode
 from kvguard.serve.preflight import LaunchError, check_listen_address, check_model_path
 
 PROG = "kvguard-serve"
+EMBEDDED_MODELS = ("default", "kimi")
 
 
 class _Parser(argparse.ArgumentParser):
@@ -57,6 +58,12 @@ def kvguard_parser() -> argparse.ArgumentParser:
         action=argparse.BooleanOptionalAction,
         default=None,
         help="bind a request's tenant into its prefix chain (env KVGUARD_TENANT_ISOLATION)",
+    )
+    g.add_argument(
+        "--embedded-model",
+        choices=EMBEDDED_MODELS,
+        help="without --model-path, which embedded model to serve: default (a tiny Llama) or "
+        "kimi (a tiny Kimi K2 architecture model: MLA attention, MoE; DeepseekV3ForCausalLM)",
     )
     g.add_argument(
         "--no-fp8-kv",
@@ -113,8 +120,10 @@ def prepare(argv: list[str]):
     extra: list[str] = []
     model_path = given.get("model_path")
     if model_path is None:
-        model_path = str(_default_model())
+        model_path = str(_embedded_model(kv.embedded_model or "default"))
         extra += ["--model-path", model_path]
+    elif kv.embedded_model is not None:
+        raise LaunchError("--embedded-model and --model-path: give one of them")
     check_model_path(model_path, given.get("load_format", "auto"))
     check_listen_address(given.get("host", defaults["host"]), given.get("port", defaults["port"]))
 
@@ -274,15 +283,18 @@ def _unset(given: dict, dest: str, args: list[str]) -> list[str]:
     return [] if dest in given else args
 
 
-def _default_model() -> Path:
+def _embedded_model(name: str) -> Path:
     try:
-        from kvguard.serve.default_model import ensure_default_model
+        if name == "kimi":
+            from kvguard.serve.kimi_model import ensure_kimi_model as ensure
+        else:
+            from kvguard.serve.default_model import ensure_default_model as ensure
     except ImportError:
         raise LaunchError(
-            "no --model-path given and kvguard's default model is not installed"
+            f"no --model-path given and kvguard's {name} model is not installed"
         ) from None
     try:
-        return ensure_default_model()
+        return ensure()
     except FileNotFoundError as e:
         raise LaunchError(f"no --model-path given and {e}") from None
 

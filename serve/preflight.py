@@ -41,6 +41,7 @@ def check_model_path(path: str, load_format: str = "auto") -> None:
             )
         if load_format != "dummy" and not any(next(p.glob(g), None) for g in WEIGHT_PATTERNS):
             raise LaunchError(f"--model-path {path}: no weight files (*.safetensors, *.bin, ...)")
+        check_deepseek_moe_fields(path, fields)
         return
     if _REPO_ID.match(path) and _in_hf_cache(path):
         return
@@ -48,6 +49,27 @@ def check_model_path(path: str, load_format: str = "auto") -> None:
         f"--model-path {path}: no such model directory"
         + (" (nor in the local Hugging Face cache)" if _REPO_ID.match(path) else "")
     )
+
+
+# What SGLang's DeepSeek model code (DeepSeek-V2/V3, Kimi K2) reads from a MoE config without a
+# default. Released DeepSeek-V3 / Kimi K2 configs carry them; a config saved by transformers 5's
+# DeepseekV3Config does not, and SGLang then stops in the scheduler with an AttributeError.
+DEEPSEEK_ARCHS = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
+DEEPSEEK_MOE_FIELDS = {"moe_layer_freq": 1, "topk_method": "noaux_tc", "scoring_func": "sigmoid"}
+
+
+def check_deepseek_moe_fields(path: str, fields: dict) -> None:
+    if not set(fields.get("architectures") or []) & set(DEEPSEEK_ARCHS):
+        return
+    if fields.get("n_routed_experts") is None:
+        return  # dense: SGLang reads none of them
+    missing = [k for k in DEEPSEEK_MOE_FIELDS if k not in fields]
+    if missing:
+        example = ", ".join(f'"{k}": {json.dumps(DEEPSEEK_MOE_FIELDS[k])}' for k in missing)
+        raise LaunchError(
+            f"--model-path {path}: config.json lacks {', '.join(missing)}, which SGLang's "
+            f"DeepSeek MoE model reads (DeepSeek-V3 / Kimi K2 configs have e.g. {example})"
+        )
 
 
 def check_listen_address(host: str, port: int) -> None:

@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 from types import SimpleNamespace
 
@@ -309,10 +310,10 @@ def test_gate_decision(sgl, monkeypatch):
     assert not cpu_fp8_kv._wants_torch_native_fp8(
         SimpleNamespace(**{**vars(fp8), "kv_cache_dtype": torch.bfloat16})
     )
-    with pytest.raises(cpu_fp8_kv.FP8KVConfigError, match="MLA"):
-        cpu_fp8_kv._wants_torch_native_fp8(
-            SimpleNamespace(**{**vars(fp8), "use_mla_backend": True})
-        )
+    # MLA (DeepSeek-V3 / Kimi K2): served too, through SGLang's MLA pool
+    assert cpu_fp8_kv._wants_torch_native_fp8(
+        SimpleNamespace(**{**vars(fp8), "use_mla_backend": True})
+    )
     monkeypatch.setattr(rc, "attention_backends", lambda: ("triton", "torch_native"))
     with pytest.raises(cpu_fp8_kv.FP8KVConfigError, match="--attention-backend torch_native"):
         cpu_fp8_kv._wants_torch_native_fp8(fp8)
@@ -333,3 +334,219 @@ def test_amx_gate_lifted_once_and_restored():
         with cpu_fp8_kv._amx_gate_lifted(kvc):
             pass  # a configure() that no longer consults the gate
     assert kvc.cpu_has_amx_support is real_amx
+
+
+def test_mla_gate_lifted_once_and_restored():
+    real = SimpleNamespace(is_cpu=lambda: True, device_name="cpu")
+    kvc = SimpleNamespace(current_platform=real)
+    with cpu_fp8_kv._mla_gate_lifted(kvc):
+        assert kvc.current_platform.is_cpu() is False  # the gate's call
+        assert kvc.current_platform.is_cpu() is True  # every later call: the truth
+        assert kvc.current_platform.device_name == "cpu"
+    assert kvc.current_platform is real
+    with (
+        pytest.raises(cpu_fp8_kv.FP8KVConfigError, match="changed shape"),
+        cpu_fp8_kv._mla_gate_lifted(kvc),
+    ):
+        pass
+    assert kvc.current_platform is real
+
+
+# ------------------------------------------------------------------ MLA (DeepSeek-V3 / Kimi K2)
+LORA, ROPE, MLA_HEADS = 32, 16, 4  # latent row: kv_lora_rank + qk_rope_head_dim values
+
+
+@pytest.fixture
+def mla_hooked(sgl, hooked, monkeypatch):
+    """The MLA pool's write hook from MLA_TARGETS, applied as HookRegistry would (plus the read
+    hooks of ``hooked``)."""
+    from sglang.srt.runtime_context import get_parallel
+
+    from kvguard.patches.targets import MLA_TARGETS
+
+    # the MLA pool's write asserts no decode context parallelism; no parallel config is published
+    # in a test process
+    with get_parallel().override(dcp_enabled=False):
+        yield from _apply_mla_write_hook(sgl, MLA_TARGETS, monkeypatch)
+
+
+def _apply_mla_write_hook(sgl, rows, monkeypatch):
+    for target, hook_type, hook_path, _why in rows:
+        if not hook_path.startswith("cpu_fp8_kv.") or "load_kv_cache_scales" in target:
+            continue
+        owner_path, attr = target.rsplit(".", 1)
+        owner = sgl.pkgutil.resolve_name(owner_path)
+        hook = getattr(cpu_fp8_kv, hook_path.split(".", 1)[1])
+        monkeypatch.setattr(
+            owner, attr, sgl._wrap_fn(getattr(owner, attr), hook, sgl.HookType[hook_type])
+        )
+    yield
+
+
+def _mla_setup(sgl, n: int, dtype=torch.float8_e4m3fn, register=True, k_scale=None):
+    from sglang.srt.mem_cache.memory_pool import MLATokenToKVPool
+
+    pool = MLATokenToKVPool(
+        size=64,
+        page_size=16,
+        dtype=dtype,
+        kv_lora_rank=LORA,
+        qk_rope_head_dim=ROPE,
+        layer_num=1,
+        device="cpu",
+        enable_memory_saver=False,
+    )
+    if register:
+        cpu_fp8_kv._fp8_pools.add(pool)
+    rtt = sgl.ReqToTokenPool(size=4, max_context_len=64, device="cpu", enable_memory_saver=False)
+    backend = sgl.TorchNativeAttnBackend.__new__(sgl.TorchNativeAttnBackend)
+    backend.__dict__.update(
+        forward_metadata=None,
+        device="cpu",
+        req_to_token_pool=rtt,
+        token_to_kv_pool=pool,
+        use_sliding_window_kv_pool=False,
+        swa_out_cache_loc=None,
+    )
+    # DeepSeek's attn_mqa: one latent "head" shared by every query head, V = the latent part
+    layer = SimpleNamespace(
+        tp_q_head_num=MLA_HEADS,
+        tp_k_head_num=1,
+        tp_v_head_num=1,
+        qk_head_dim=LORA + ROPE,
+        v_head_dim=LORA,
+        head_dim=LORA + ROPE,
+        layer_id=0,
+        scaling=(LORA + ROPE) ** -0.5,
+        is_cross_attention=False,
+        attn_type=sgl.AttentionType.DECODER,
+        sliding_window_size=-1,
+        k_scale_float=k_scale,
+        v_scale_float=None,
+    )
+    slots = torch.arange(16, 16 + n + 1)
+    rtt.req_to_token[0, : n + 1] = slots
+    return pool, backend, layer, slots
+
+
+def _mla_run(backend, layer, slots, q, latent, n):
+    """Prefill n tokens, then decode one more, as DeepSeek's absorbed path calls attn_mqa."""
+    fb = SimpleNamespace(
+        out_cache_loc=slots[:n],
+        req_pool_indices=torch.tensor([0]),
+        seq_lens=torch.tensor([n]),
+        extend_prefix_lens=torch.tensor([0]),
+        extend_seq_lens=torch.tensor([n]),
+        encoder_lens=None,
+    )
+    o_ext = backend.forward_extend(q[:n], latent[:n], latent[:n, :, :LORA], layer, fb)
+    fb = SimpleNamespace(
+        out_cache_loc=slots[n : n + 1],
+        req_pool_indices=torch.tensor([0]),
+        seq_lens=torch.tensor([n + 1]),
+        encoder_lens=None,
+    )
+    o_dec = backend.forward_decode(
+        q[n : n + 1], latent[n : n + 1], latent[n : n + 1, :, :LORA], layer, fb
+    )
+    return o_ext, o_dec
+
+
+def _mla_reference(q, latent, scaling):
+    """Causal MQA over dequantized latent rows in float32: keys are whole rows, values their
+    first kv_lora_rank values."""
+    qh = q.float().view(q.shape[0], MLA_HEADS, LORA + ROPE).transpose(0, 1)
+    k = latent.float()[:, 0, :]
+    s = qh @ k.t() * scaling
+    n_q, n_k = q.shape[0], k.shape[0]
+    mask = torch.arange(n_k)[None, :] > torch.arange(n_k - n_q, n_k)[:, None]
+    p = s.masked_fill(mask, float("-inf")).softmax(-1)
+    return (p @ k[:, :LORA]).transpose(0, 1).reshape(n_q, MLA_HEADS * LORA)
+
+
+@pytest.mark.parametrize("ks", [None, 0.25, 4.0])
+def test_fp8_mla_pool_stores_scaled_bytes_and_dequantizes_on_read(sgl, mla_hooked, ks):
+    n = 9
+    pool, backend, layer, slots = _mla_setup(sgl, n, k_scale=ks)
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(n + 1, MLA_HEADS * (LORA + ROPE), generator=g).to(torch.bfloat16)
+    latent = (torch.randn(n + 1, 1, LORA + ROPE, generator=g) * 3).to(torch.bfloat16)
+    o_ext, o_dec = _mla_run(backend, layer, slots, q, latent, n)
+    scale = ks or 1.0
+    stored = pool.kv_buffer[0][slots]
+    assert stored.dtype == torch.uint8 and stored.shape[-1] == LORA + ROPE  # 1 byte per value
+    assert torch.equal(stored, (latent / scale).to(torch.float8_e4m3fn).view(torch.uint8))
+    deq = stored.view(torch.float8_e4m3fn).float() * scale
+    want = _mla_reference(q[:n], deq[:n], layer.scaling)
+    torch.testing.assert_close(o_ext.float(), want, atol=2e-2, rtol=2e-2)
+    want_dec = _mla_reference(q[n : n + 1], deq, layer.scaling)
+    torch.testing.assert_close(o_dec.float(), want_dec, atol=2e-2, rtol=2e-2)
+
+
+def test_fp8_mla_read_bit_identical_to_sglang_cast(sgl, mla_hooked):
+    """Scale 1.0: the dequantized copy (V a view of K's) gives exactly SGLang's own results."""
+    outs = []
+    for register in (True, False):
+        _pool, backend, layer, slots = _mla_setup(sgl, 12, register=register)
+        g = torch.Generator().manual_seed(5)
+        q = torch.randn(13, MLA_HEADS * (LORA + ROPE), generator=g).to(torch.bfloat16)
+        latent = torch.randn(13, 1, LORA + ROPE, generator=g).to(torch.bfloat16)
+        outs.append(_mla_run(backend, layer, slots, q, latent, 12))
+    assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float8_e4m3fn])
+def test_guard_takes_every_byte_of_mla_pool_rows(sgl, dtype):
+    """The guard's adapter hands over the MLA pool's per-layer latent buffers; the checksum
+    kernels' view of them (whole contiguous rows of 4-byte words) covers every stored byte."""
+    from kvguard.kernels.kv_checksum_ref import row_words
+    from kvguard.patches.adapter import guarded_kv_buffers
+
+    pool, *_ = _mla_setup(sgl, 4, dtype=dtype, register=False)
+    kind, buffers = guarded_kv_buffers(pool)
+    assert kind == "mla" and len(buffers) == 1 and buffers[0] is pool.kv_buffer[0]
+    words = row_words(buffers[0])
+    row_bytes = (LORA + ROPE) * (1 if dtype == torch.float8_e4m3fn else 2)
+    assert words.shape == (buffers[0].shape[0], row_bytes // 4)
+    assert words.data_ptr() == buffers[0].data_ptr()  # a view: the stored bytes themselves
+
+
+def test_mla_kv_scales_from_quantization_param_path(tmp_path, monkeypatch):
+    """--quantization-param-path for an MLA model: SGLang's file format, read by SGLang's loader,
+    lands on each layer's attn_mqa (SGLang's DeepSeek model has no load_kv_cache_scales)."""
+    import sglang.srt.distributed.parallel_state as ps
+    import sglang.srt.runtime_context as rc
+
+    path = tmp_path / "kv_scales.json"
+    path.write_text(
+        json.dumps(
+            {
+                "model_type": "deepseek_v3",
+                "kv_cache": {"dtype": "float8_e4m3fn", "scaling_factor": {"0": {0: 0.5, 1: 2.0}}},
+            }
+        )
+    )
+    monkeypatch.setattr(rc, "get_model", lambda: SimpleNamespace(quantization_param_path=path))
+    monkeypatch.setattr(ps, "get_tensor_model_parallel_rank", lambda: 0)
+    monkeypatch.setattr(ps, "get_tensor_model_parallel_world_size", lambda: 1)
+
+    class Attention(torch.nn.Module):
+        def __init__(self, layer_id):
+            super().__init__()
+            self.kv_lora_rank = LORA
+            self.attn_mqa = SimpleNamespace(layer_id=layer_id, k_scale=None, v_scale=None)
+
+    model = torch.nn.Module()
+    model.layers = torch.nn.ModuleList([Attention(0), Attention(1)])
+    model.config = SimpleNamespace(num_hidden_layers=2, model_type="deepseek_v3")
+    called = []
+    out = cpu_fp8_kv.around_load_kv_cache_scales(
+        lambda **kw: called.append(kw), model=model, kv_cache_dtype="fp8_e4m3"
+    )
+    assert out is None and not called  # SGLang's own loader (which would raise) is not reached
+    assert [cpu_fp8_kv.mla_kv_scale(m.attn_mqa) for m in model.layers] == [0.5, 2.0]
+    # without FP8 KV, or for a model that loads its own scales: SGLang's function
+    cpu_fp8_kv.around_load_kv_cache_scales(
+        lambda **kw: called.append(kw), model=model, kv_cache_dtype="auto"
+    )
+    assert len(called) == 1
