@@ -62,10 +62,17 @@ def live_server(serve_processes):
     if not is_default:  # the default model is what kvguard-serve starts without --model-path
         args += ["--model-path", str(model)]
     current: list[Server] = []
+    failed: list[str] = []  # a server that could not start fails every later test at once
 
     def get() -> Server:
+        if failed:
+            pytest.fail(failed[0])
         if not current or not current[-1].srv.running():
-            current.append(Server(serve_processes(args), model, is_default))
+            try:
+                current.append(Server(serve_processes(args), model, is_default))
+            except pytest.fail.Exception as exc:
+                failed.append(f"kvguard-serve did not start for an earlier test: {exc}")
+                raise
         return current[-1]
 
     return get
