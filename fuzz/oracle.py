@@ -238,6 +238,14 @@ def classify(
             ]
             if lags:
                 rec["steps_to_abort"] = min(lags)
+        if guard_abort and outcome in ("detected", "collateral"):
+            rec["blamed_on"] = _blame(
+                r.rid,
+                ids or rec["exposed_to"],
+                injections,
+                "victims" if ids else "exposed",
+                rec.get("guard_step"),
+            )
         records.append(rec)
 
     by_rid = {rec["rid"]: rec for rec in records}
@@ -246,12 +254,27 @@ def classify(
     return records, injections
 
 
+def _blame(rid: str, ids: list[int], injections: dict[int, dict], role: str, step) -> int:
+    """The one injection an abort is charged to, so that per-class counts add up to requests:
+    of those it was a victim of (or only exposed to), the one that reached it last before the
+    guard's step (both count forward passes from server start)."""
+
+    def reached(i: int) -> int:
+        return injections[i][role].get(rid) or 0
+
+    before = [i for i in ids if not isinstance(step, int) or reached(i) <= step] or ids
+    return max(before, key=lambda i: (reached(i), i))
+
+
 def _judge_injection(inj: dict, by_rid: dict[str, dict]) -> None:
-    """An injection's outcome from its victims' outcomes, and the aborts it cost."""
+    """An injection's outcome from its victims' outcomes, and the aborts charged to it."""
     victims = [by_rid[v] for v in inj["victims"] if v in by_rid]
-    exposed = [by_rid[v] for v in inj.get("exposed", {}) if v in by_rid]
-    inj["victims_aborted"] = sum(1 for v in victims if v["guard_aborted"])
-    inj["collateral"] = sum(1 for v in exposed if v["outcome"] == "collateral")
+    inj["victims_aborted"] = sum(
+        1 for r in by_rid.values() if r.get("blamed_on") == inj["id"] and r["victim_of"]
+    )
+    inj["collateral"] = sum(
+        1 for r in by_rid.values() if r.get("blamed_on") == inj["id"] and not r["victim_of"]
+    )
     inj["aborts"] = inj["victims_aborted"] + inj["collateral"]
     if inj["status"] != "injected":
         inj["outcome"] = inj["status"]
