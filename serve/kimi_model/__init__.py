@@ -2,9 +2,9 @@
 
 A ~2M-parameter ``DeepseekV3ForCausalLM`` with the default model's tokenizer, trained by
 ``python -m kvguard.serve.kimi_model.build`` on the Python standard library source and committed
-under ``checkpoint/``: the MLA/MoE model kvguard is served and tested with, offline. Serve it with
-``kvguard-serve --embedded-model kimi`` (or ``--model-path`` pointing at :data:`KIMI_MODEL_DIR`). See
-``checkpoint/build_report.json``.
+under ``checkpoint/``: the MLA/MoE model kvguard is served and tested with, offline. Serve it
+with ``kvguard-serve --embedded-model kimi`` (or ``--model-path`` pointing at
+:data:`KIMI_MODEL_DIR`). See ``README.md`` and ``checkpoint/build_report.json``.
 
 This module imports nothing heavy (no torch / transformers).
 """

@@ -39,6 +39,7 @@ are bit-for-bit identical. Output is staged and swapped in at the end.
 from __future__ import annotations
 
 import argparse
+import copy
 import hashlib
 import json
 import math
@@ -276,7 +277,7 @@ def build(
         # ---- model
         torch.manual_seed(seed)
         cfg_json = checkpoint_config(spec)
-        config = DeepseekV3Config.from_dict(cfg_json)
+        config = DeepseekV3Config.from_dict(copy.deepcopy(cfg_json))  # it edits rope_scaling
         model = DeepseekV3ForCausalLM(config)
         model.to(torch.float32)
         n_params = sum(p.numel() for p in model.parameters())

@@ -1,0 +1,158 @@
+"""The Kimi K2 architecture (DeepSeek-V3: MLA + MoE) served and guarded on CPU, with kvguard's
+tiny trained Kimi model (serve/kimi_model/).
+
+* HF equality: SGLang (torch_native, patches/mla_cpu.py) and transformers give the same greedy
+  tokens at page sizes 1, 16 and 64, with the guard on, and a second pass through the prefix
+  cache gives them again. In float32, where both compute the same function without bf16's
+  rounding ties deciding an argmax.
+* FP8 MLA KV in paranoid mode: ``kvguard-serve --embedded-model kimi --kvguard-mode paranoid``
+  (FP8 KV is its default) answers every request, its metrics count the checked steps and
+  0 violations, and its greedy output stays close to BF16.
+* ``kvguard-serve --embedded-model kimi`` at its defaults (guard sampled, FP8 KV) starts and answers.
+* Start-up errors for DeepSeek configs SGLang cannot read, in one line.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("sglang")
+
+from quant_helpers import (  # noqa: E402
+    agreement,
+    hf_greedy,
+    prompt_ids,
+    sglang_engine,
+    sglang_greedy,
+)
+
+from kvguard.serve.kimi_model import ensure_kimi_model  # noqa: E402
+
+N_NEW = 24
+
+
+@pytest.fixture(scope="module")
+def model():
+    return ensure_kimi_model()
+
+
+@pytest.fixture(scope="module")
+def ids(model):
+    return prompt_ids(model)[:4]
+
+
+@pytest.fixture(scope="module")
+def hf_fp32(model, ids):
+    return hf_greedy(model, ids, N_NEW, dtype=torch.float32)
+
+
+@pytest.mark.engine
+@pytest.mark.parametrize("page_size", [1, 16, 64])
+def test_greedy_equals_transformers(model, ids, hf_fp32, page_size):
+    with sglang_engine(
+        model,
+        guard_mode="sampled",
+        page_size=page_size,
+        dtype="float32",
+        kv_cache_dtype="auto",
+    ) as engine:
+        first = sglang_greedy(engine, ids, N_NEW)
+        again = sglang_greedy(engine, ids[:2], N_NEW)  # prefix-cache hits read the latent rows
+    assert all(o["meta_info"]["finish_reason"]["type"] == "length" for o in first + again)
+    got = [o["output_ids"] for o in first]
+    assert got == hf_fp32
+    assert [o["output_ids"] for o in again] == got[:2]
+
+
+def _generate(srv, ids, n: int) -> list[dict]:
+    import requests
+
+    r = requests.post(
+        f"{srv.url}/generate",
+        json={
+            "input_ids": ids,
+            "sampling_params": {"temperature": 0, "max_new_tokens": n, "ignore_eos": True},
+        },
+        timeout=300,
+    )
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+@pytest.mark.engine
+def test_fp8_mla_kv_paranoid_guard_zero_violations(serve_processes, model, ids):
+    srv = serve_processes(
+        ["--embedded-model", "kimi", "--kvguard-mode", "paranoid", "--page-size", "16"]
+    )
+    first = _generate(srv, ids, N_NEW)
+    again = _generate(srv, ids, N_NEW)  # every token re-read from the FP8 pool (prefix cache)
+    info = srv.wait_idle()
+    assert info is not None
+    totals = srv.metric_totals()
+    assert totals.get("kvguard_steps_checked_total", 0) > 0
+    assert totals.get("kvguard_tokens_checksummed_total", 0) > 0
+    assert totals.get("kvguard_violations_total", 0) == 0
+    assert totals.get("kvguard_requests_aborted_total", 0) == 0
+    assert totals.get("kvguard_unchecked_forwards_total", 0) == 0
+    log = srv.log_tail(200_000)
+    assert "kvguard_cpu_fp8_kv" in log and "pool=mla" in log  # SGLang's MLA pool, FP8 bytes
+    assert "paranoid" in log
+    got = [o["output_ids"] for o in first]
+    assert [o["output_ids"] for o in again] == got
+    assert agreement(got, hf_greedy(model, ids, N_NEW)) >= 0.75
+
+
+@pytest.mark.engine
+def test_kvguard_serve_kimi_at_defaults(serve_processes):
+    import requests
+
+    srv = serve_processes(["--embedded-model", "kimi"])
+    r = requests.post(
+        f"{srv.url}/generate",
+        json={"text": "def __init__(self", "sampling_params": {"max_new_tokens": 16}},
+        timeout=300,
+    )
+    assert r.status_code == 200, r.text
+    assert r.json()["meta_info"]["completion_tokens"] == 16
+    info = requests.get(f"{srv.url}/server_info", timeout=30).json()
+    assert info["kv_cache_dtype"] == "fp8_e4m3"
+    assert info["model_path"] == str(ensure_kimi_model())
+    srv.wait_idle()
+    totals = srv.metric_totals()
+    assert totals.get("kvguard_steps_checked_total", 0) > 0
+    assert totals.get("kvguard_violations_total", 0) == 0
+
+
+# ------------------------------------------------------------------------- start-up checks
+def _launch(argv: list[str]) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "kvguard.serve.cli", *argv],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+def test_deepseek_config_without_sglangs_moe_fields_is_one_line(tmp_path, model):
+    ckpt = tmp_path / "hf-saved"
+    shutil.copytree(model, ckpt)
+    cfg = json.loads((ckpt / "config.json").read_text())
+    for key in ("moe_layer_freq", "topk_method", "scoring_func"):  # what transformers 5 drops
+        cfg.pop(key)
+    (ckpt / "config.json").write_text(json.dumps(cfg))
+    proc = _launch(["--model-path", str(ckpt)])
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "moe_layer_freq, topk_method, scoring_func" in lines[0], lines
+
+
+def test_embedded_model_and_model_path_conflict(model):
+    proc = _launch(["--embedded-model", "kimi", "--model-path", str(model)])
+    assert proc.returncode == 2
+    assert "give one of them" in proc.stderr
