@@ -158,6 +158,7 @@ class Scan:
         self.tokens = Tokens()
         self.writes: list[tuple[object, int, int]] = []
         self.holders: list[Holder] = []
+        self.by_page: dict[int, list[Holder]] = {}  # watched page -> its live holders
         self.free: set[int] = set()
         if not pages:
             return  # nothing watched: a step costs the plugin nothing more
@@ -172,6 +173,8 @@ class Scan:
                 h = Holder(req, req.rid, id(req) in in_batch, req.kv.kv_committed_len)
                 h.slots = list(zip(row[hit].tolist(), hit.tolist()))
                 self.holders.append(h)
+                for page in {s // self.ps for s, _ in h.slots}:
+                    self.by_page.setdefault(page, []).append(h)
         alloc = sched.token_to_kv_pool_allocator
         free = alloc.get_all_free_pages() if hasattr(alloc, "get_all_free_pages") else None
         if free is not None and free.numel():
@@ -268,10 +271,12 @@ class Watch:
     def _judge(self, scan: Scan, step: int) -> bool:
         before = (len(self.victims), len(self.exposed))
         exposing = self.is_open(step)
-        for h in scan.holders:
+        mine_of: dict[int, Holder] = {}
+        for page in self.pages:
+            for h in scan.by_page.get(page, ()):
+                mine_of[id(h)] = h
+        for h in mine_of.values():
             mine = [(s, p) for s, p in h.slots if s // self.ps in self.pages]
-            if not mine:
-                continue
             why = self._harm(h, mine, scan)
             if why is not None:
                 if h.rid not in self.victims:

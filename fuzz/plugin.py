@@ -139,7 +139,7 @@ def around_run_batch(original, sched, batch, *args, **kwargs):
     st.step += 1
     st.poll()
     pool = sched.tp_worker.model_runner.token_to_kv_pool
-    after, scan, events = [], None, []
+    after, scan, events, new = [], None, [], None
     try:
         note_namespaces(batch)
         for inj in st.active:
@@ -160,6 +160,8 @@ def around_run_batch(original, sched, batch, *args, **kwargs):
                 events.append((inj, "victims"))
     except Exception as exc:  # an injector bug is reported, never turned into a scheduler crash
         st.log({"event": "injector_error", "step": st.step, "error": repr(exc)})
+    if new is not None and all(inj is not new for inj, _ in events):
+        events.append((new, "injected"))  # made, even if following it failed
     for inj, kind in events:
         _record(st, inj, kind)
     out = original(sched, batch, *args, **kwargs)
