@@ -4,7 +4,8 @@ with the guard loaded into every scheduler process.
 Every SGLang server argument passes through unchanged; kvguard adds its own flags (``--kvguard-*``,
 ``--no-fp8-kv``, ``--log-format``) and defaults that the user did not set: the embedded default
 model, ``--enable-metrics``, and on a machine without a GPU ``--device cpu --attention-backend
-torch_native``, CUDA graphs off and no warm-up request. Bad input (model path, port, options,
+torch_native``, CUDA graphs off, no warm-up request and a KV pool of at most
+:data:`CPU_MAX_TOTAL_TOKENS` tokens. Bad input (model path, port, options,
 guard settings) is reported in one line before SGLang starts.
 
 The guard itself is configured through the environment (``KVGUARD_*``, see ``kvguard.config``):
@@ -28,6 +29,11 @@ from kvguard.config import ConfigError, GuardConfig, Mode
 from kvguard.serve.preflight import LaunchError, check_listen_address, check_model_path
 
 PROG = "kvguard-serve"
+# On CPU SGLang sizes the KV pool from free memory (about 70% of it) and knows nothing of the
+# guard's state, which grows with the pool: with small KV rows (an MLA model's FP8 latent, 80 B
+# per layer) that is tens of millions of slots, and the two together can exceed the machine.
+# Unless the user sizes the pool (--max-total-tokens, --mem-fraction-static), it holds this many.
+CPU_MAX_TOTAL_TOKENS = 262144
 EMBEDDED_MODELS = ("default", "kimi")
 
 
@@ -146,6 +152,8 @@ def prepare(argv: list[str]):
                 "disabled",
             ]
         extra += _unset(given, "skip_server_warmup", ["--skip-server-warmup"])
+        if not {"max_total_tokens", "mem_fraction_static"} & given.keys():
+            extra += ["--max-total-tokens", str(CPU_MAX_TOTAL_TOKENS)]
     extra += _unset(given, "enable_metrics", ["--enable-metrics"])
     # ---- FP8 KV default: the serving stack stores KV in fp8_e4m3 unless the user chose a dtype
     # ---- or passed --no-fp8-kv. Only where kvguard's FP8 KV support is installed.

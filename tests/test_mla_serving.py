@@ -156,3 +156,42 @@ def test_embedded_model_and_model_path_conflict(model):
     proc = _launch(["--embedded-model", "kimi", "--model-path", str(model)])
     assert proc.returncode == 2
     assert "give one of them" in proc.stderr
+
+
+def test_embedded_kimi_and_the_cpu_pool_default():
+    """``--embedded-model kimi`` is the committed checkpoint; on CPU the pool is bounded unless
+    the user sizes it (SGLang alone would give the 80-byte FP8 latent rows tens of millions of
+    slots, and the guard's state grows with them)."""
+    from kvguard.serve.child import free_port
+
+    script = (
+        "import json, sys\n"
+        "from kvguard.serve.cli import prepare\n"
+        "out = []\n"
+        "for argv in json.loads(sys.argv[1]):\n"
+        "    a = prepare(argv)\n"
+        "    out.append([a.model_path, a.max_total_tokens, a.mem_fraction_static, a.device])\n"
+        "print('RESULT', json.dumps(out))\n"
+    )
+    port = str(free_port())
+    argvs = [
+        ["--embedded-model", "kimi", "--port", port],
+        ["--embedded-model", "kimi", "--port", port, "--max-total-tokens", "4096"],
+        ["--embedded-model", "kimi", "--port", port, "--mem-fraction-static", "0.5"],
+    ]
+    proc = subprocess.run(
+        [sys.executable, "-c", script, json.dumps(argvs)],
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    assert proc.returncode == 0 and lines, proc.stderr[-3000:]
+    default, sized, fraction = json.loads(lines[0].split(" ", 1)[1])
+    assert default[0] == str(ensure_kimi_model())
+    if default[3] == "cpu":
+        from kvguard.serve.cli import CPU_MAX_TOTAL_TOKENS
+
+        assert default[1] == CPU_MAX_TOTAL_TOKENS
+        assert fraction[1] is None and fraction[2] == 0.5
+    assert sized[1] == 4096
