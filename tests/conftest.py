@@ -2,7 +2,8 @@
 
 Tiers (markers declared in pyproject.toml, ``--strict-markers``): ``engine`` tests start a real
 SGLang engine or ``kvguard-serve``, ``campaign`` tests run a fault-injection campaign against a
-live server, ``gpu`` tests need CUDA. ``scripts/test.sh --fast`` runs everything else.
+live server, ``slow`` tests are long CPU-only matrices, ``gpu`` tests need CUDA.
+``scripts/test.sh --fast`` runs everything else.
 
 Helpers: ``cpu_engine.py`` (an in-process SGLang engine on CPU), ``tiny_model.py`` and
 ``quant_helpers.py`` (models built offline), and the ``serve_processes`` fixture below
