@@ -1,6 +1,6 @@
 """Fault injectors: each reproduces the engine-side *mechanism* of a real KV aliasing bug inside a
 live SGLang scheduler, through SGLang's own allocator, page table, prefix cache and KV pool, never
-through kvguard's ledger. See ../shared/notes/bug-taxonomy.md for the bug classes.
+through kvguard's ledger. See docs/bug-classes.md for the bug classes.
 
 An injector runs just before a batch's forward (``Scheduler.run_batch``), sees the scheduler and the
 batch, and returns an ``Injection`` (or None when the moment does not fit; then it is retried at a

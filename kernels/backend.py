@@ -107,7 +107,7 @@ def select(device: torch.device | str, prefer: str | None = None) -> GuardKernel
         try:
             from .guard_triton import TritonKernels
 
-            return TritonKernels()  # type: ignore[no-any-return]
+            return TritonKernels()
         except ImportError as exc:
             if want == "triton":
                 raise KernelsUnavailableError(f"Triton kernels not available: {exc}") from exc
