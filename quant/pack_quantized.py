@@ -116,7 +116,7 @@ def unpack_weight(packed: torch.Tensor, scale: torch.Tensor, group_size: int) ->
     """The float32 W [N, K] three pack-quantized tensors encode (the reference for tests)."""
     codes = unpack_rows(packed.t().contiguous()).t()  # [N, K] in 0..15
     group = torch.arange(codes.shape[1]) // group_size
-    return (codes - 8).to(torch.float32) * scale.to(torch.float32)[:, group]
+    return ((codes - 8).to(torch.float32) * scale.to(torch.float32)[:, group]).contiguous()
 
 
 def quantization_config(group_size: int, targets: str) -> dict:

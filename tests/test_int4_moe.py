@@ -7,14 +7,15 @@ compressed-tensors config reads it the way its GPU MoE/linear schemes need, and 
   its symmetric minmax scales; SGLang's ``CompressedTensorsConfig`` picks its WNA16 MoE scheme
   (Marlin, and the Triton one accepts it) for the experts and leaves the ignored layers BF16.
 * Kernel: the CPU MoE forward equals a float reference over the dequantized experts.
-* End to end: quantize the committed Kimi model, serve it in SGLang on CPU: greedy output close to
-  the same dequantized weights in transformers and to BF16.
+* End to end: quantize the committed Kimi model, serve it in SGLang on CPU: greedy output equal to
+  transformers on the same (dequantized) weights, and close to the BF16 weights' output.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import math
 import shutil
 import tempfile
 from pathlib import Path
@@ -227,7 +228,7 @@ def dequantized_checkpoint(int4_dir: Path, out: Path) -> Path:
         if key.endswith(".weight_packed"):
             base = key[: -len(".weight_packed")]
             w = PQ.unpack_weight(t, tensors[f"{base}.weight_scale"], 32)
-            result[f"{base}.weight"] = w.to(torch.bfloat16)
+            result[f"{base}.weight"] = w.to(torch.bfloat16).contiguous()
         elif not key.endswith((".weight_scale", ".weight_shape")):
             result[key] = t
     save_file(result, str(out / "model.safetensors"), metadata={"format": "pt"})
@@ -237,24 +238,44 @@ def dequantized_checkpoint(int4_dir: Path, out: Path) -> Path:
     return out
 
 
+def hf_scores(model_dir: Path, windows: list[list[int]]) -> tuple[float, list[int]]:
+    """transformers in bf16 (as SGLang serves): (perplexity, argmax next token at every position)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.bfloat16).eval()
+    nll, count, top1 = 0.0, 0, []
+    with torch.no_grad():
+        for w in windows:
+            x = torch.tensor([w])
+            logits = model(input_ids=x[:, :-1]).logits[0].float()
+            nll += float(torch.nn.functional.cross_entropy(logits, x[0, 1:], reduction="sum"))
+            count += len(w) - 1
+            top1 += logits.argmax(-1).tolist()
+    return math.exp(nll / count), top1
+
+
 @pytest.mark.engine
 def test_int4_kimi_quantize_then_serve_close_to_bf16(tmp_path, capfd):
-    from quant_helpers import agreement, hf_greedy, prompt_ids, sglang_engine, sglang_greedy
+    """SGLang serves compressed-tensors in bf16/fp16 only, so the comparison is teacher-forced
+    (every position of held-out windows scored, no free-running divergence): the served INT4
+    model predicts what transformers predicts on the same dequantized weights, and its held-out
+    perplexity is within 10% of the BF16 model's."""
+    from quant_helpers import sglang_engine
 
+    from kvguard.bench.quant import heldout_windows, sglang_perplexity
     from kvguard.serve.kimi_model import ensure_kimi_model
 
     model = ensure_kimi_model()
     int4 = tmp_path / "int4"
     Q.quantize_checkpoint(model, int4, targets="mlp", log=lambda *a: None)  # experts + MLPs
-    ids = prompt_ids(model)
-    n_new = 16
+    windows = heldout_windows(model, 6, 128)
+    vocab = json.loads((model / "config.json").read_text())["vocab_size"]
     with sglang_engine(int4, guard_mode="sampled", kv_cache_dtype="auto") as engine:
-        outs = sglang_greedy(engine, ids, n_new)
+        ppl_int4, top1 = sglang_perplexity(engine, windows, vocab)
     logs = capfd.readouterr()
     assert "kvguard_int4_cpu_moe" in logs.out + logs.err  # the experts ran the INT4 CPU path
-    assert all(o["meta_info"]["finish_reason"]["type"] == "length" for o in outs)
-    got = [o["output_ids"] for o in outs]
-    same_weights = hf_greedy(dequantized_checkpoint(int4, tmp_path / "deq"), ids, n_new)
-    bf16 = hf_greedy(model, ids, n_new)
-    assert agreement(got, same_weights) >= 0.85, (got, same_weights)
-    assert agreement(got, bf16) >= 0.5, (got, bf16)
+    _, top1_same = hf_scores(dequantized_checkpoint(int4, tmp_path / "deq"), windows)
+    ppl_bf16, _ = hf_scores(model, windows)
+    same = sum(a == b for a, b in zip(top1, top1_same)) / len(top1)
+    assert same >= 0.95, same
+    assert ppl_int4 <= 1.10 * ppl_bf16, (ppl_int4, ppl_bf16)
