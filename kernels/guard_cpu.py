@@ -73,7 +73,8 @@ class _Context:
             [t.data_ptr() for t in pa]
             + [P.state.numel()]
             + [t.data_ptr() for t in ra]
-            + [addr, len(views), self.lo.data_ptr(), self.hi.data_ptr(), self.wmax],
+            + [addr, len(views), self.lo.data_ptr(), self.hi.data_ptr(), self.wmax]
+            + [R.gen.numel()],
         )
         self.addr = self.ctx.buffer_info()[0]
 

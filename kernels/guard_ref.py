@@ -219,6 +219,27 @@ def page_digests(
     return d.view(n, page_size).sum(1)
 
 
+def _check_ranges(P: PageArrays, R: RowArrays, x: StepInputs, ps: int) -> None:
+    """A step whose indices point outside the pool or the table is refused before anything is
+    read (ValueError: the caller aborts the batch). Host reads: the reference only."""
+    rows, L = x.rows.to(_I64).cpu(), x.prefix_lens_host
+    num_slots, S = P.state.numel() * ps, x.page_table.shape[1]
+    if rows.numel() and (int(rows.min()) < 0 or int(rows.max()) >= R.gen.numel()):
+        raise ValueError("kvguard: a request's row is out of range")
+    if any(n < 0 or n > S for n in L):
+        raise ValueError("kvguard: a request's prefix is out of range")
+    for r, n in zip(rows.tolist(), L):
+        t = x.page_table[r, :n]
+        if n and (int(t.min()) < 0 or int(t.max()) >= num_slots):
+            raise ValueError(f"kvguard: row {r} names a slot outside the pool")
+    ws, wp, wb = x.write_slots.cpu(), x.write_pos.cpu(), x.batch_index().cpu()
+    if ws.numel() and (
+        int(ws.min()) < 0 or int(ws.max()) >= num_slots or int(wp.min()) < 0
+        or int(wb.min()) < 0 or int(wb.max()) >= rows.numel() or bool((wb[1:] < wb[:-1]).any())
+    ):  # fmt: skip
+        raise ValueError("kvguard: a write is out of range")
+
+
 # -- the step check (pure) -------------------------------------------------------------------------
 def check_step(
     P: PageArrays,
@@ -237,6 +258,7 @@ def check_step(
     taint = torch.zeros(num_pages, dtype=torch.bool, device=dev)
     hashed = torch.zeros(1, dtype=_I64, device=dev)
     pt = x.page_table
+    _check_ranges(P, R, x, ps)
     gen = R.gen[rows]
     n_pages0 = R.n_pages[rows].to(_I64)
     chain_len0 = R.chain_len[rows].to(_I64)
@@ -494,8 +516,8 @@ def alloc_pages(P: PageArrays, slots: torch.Tensor, page_size: int, step: int) -
     authoritative: a page still held is handed out anyway (ALLOCATED), and its old holders fail
     their reads from now on (they are the stale ones)."""
     slots = slots.to(_I64)
-    pages = torch.div(slots[slots % page_size == 0], page_size, rounding_mode="floor")
-    pages = torch.unique(pages)
+    ok = (slots >= 0) & (slots % page_size == 0) & (slots < P.state.numel() * page_size)
+    pages = torch.unique(torch.div(slots[ok], page_size, rounding_mode="floor"))
     packed = (step << 24) | (int(Event.ALLOC) << 20) | NO_ROW
     again = (P.state[pages] == ALLOCATED) & (P.history[pages, 0] == packed)
     pages = pages[~again]
@@ -524,10 +546,13 @@ def release_pages(
     [n] bool double frees). A page already free (or repeated in the call) is a double free and
     is not pushed twice; a quarantined page is withheld."""
     pages = pages.to(_I64)
-    first = _first_occurrence(pages, P.state.numel())
-    st = P.state[pages].to(_I64)
-    keep = first & ((st == OWNED) | (st == SHARED) | (st == ALLOCATED))
-    double = (st == FREE) | ~first
+    valid = (pages >= 0) & (pages < P.state.numel())  # not a page of this pool: never pushed
+    safe = torch.where(valid, pages, 0)
+    n = P.state.numel()
+    first = _first_occurrence(torch.where(valid, pages, n), n + 1)  # invalid ones: a bucket apart
+    st = P.state[safe].to(_I64)
+    keep = valid & first & ((st == OWNED) | (st == SHARED) | (st == ALLOCATED))
+    double = ~valid | (st == FREE) | ~first
     kp = pages[keep]
     P.prior[kp] = P.state[kp]
     P.state[kp] = FREE

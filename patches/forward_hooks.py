@@ -53,6 +53,9 @@ def around_model_forward(original, runner, forward_batch, *args, **kwargs):
         except Exception:  # a guard bug must cost the batch's requests, never the scheduler
             log.exception("kvguard_check_failed")
             verdict = GUARD_FAILED
+            # Unchecked writes must not land either: the whole batch writes to the padding slot
+            # (its requests are aborted at resolve), so nobody else's KV can change.
+            forward_batch.out_cache_loc.fill_(0)
         state.local.verdict = verdict
     out = original(runner, forward_batch, *args, **kwargs)
     if verdict is not None and verdict is not GUARD_FAILED:

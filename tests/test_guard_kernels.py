@@ -72,3 +72,28 @@ def test_checksum_matches_the_reference():
     assert torch.equal(
         CpuKernels().token_digests(bufs, slots, pos), token_digests_ref(bufs, slots, pos)
     )
+
+
+@pytest.mark.parametrize("kernels", ["torch", "cpu"])
+def test_out_of_range_inputs_are_refused_not_read(kernels):
+    """A page table or write target pointing outside the pool (an engine bug, a corrupted
+    tensor) makes the check refuse the step (the adapter then aborts its batch); nothing outside
+    the pool is read or written, and the process goes on."""
+    from guard_scenarios import _two
+
+    for corrupt in ("table", "write", "negative"):
+        pool = SyntheticPool(page_size=16, num_pages=64, mode="paranoid", kernels=kernels)
+        a, b = _two(pool)
+        if corrupt == "table":
+            pool.table[a.row, 3] = 10**6
+            with pytest.raises(ValueError, match="outside the pool"):
+                pool.forward([a, b], 1)
+        elif corrupt == "write":
+            with pytest.raises(ValueError, match="out of range"):
+                pool.forward([a, b], 1, redirect={(a.rid, a.length): 10**7})
+        else:
+            pool.table[b.row, 0] = -5
+            with pytest.raises(ValueError, match="outside the pool"):
+                pool.forward([a, b], 1)
+    keep, double = pool.guard.ledger.release(torch.tensor([3, 10**6, -1, 3]), pool.step)
+    assert double[1:].tolist() == [True, True, True] and not keep[1:].any()

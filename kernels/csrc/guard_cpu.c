@@ -211,6 +211,39 @@ static void load_kv(Kv *kv, const i64 *a) {
 #define CTX_PAGES 0
 #define CTX_ROWS 11
 #define CTX_KV 16
+#define CTX_NUM_ROWS 21
+
+/* A step whose indices point outside the pool or the table (an engine bug far enough gone, or a
+ * corrupted tensor) is refused before anything is read: the caller aborts the batch. */
+static int check_ranges(const i64 *ctx, i64 B, const i64 *rows, const i64 *L, i64 N,
+                        const i64 *wslots, const i64 *wbatch, const i64 *wpos,
+                        const int32_t *pt, i64 pt_stride, i64 pt_width, i64 ps) {
+    const i64 num_rows = ctx[CTX_NUM_ROWS], num_slots = ctx[CTX_PAGES + 10] * ps;
+    for (i64 b = 0; b < B; b++) {
+        if (rows[b] < 0 || rows[b] >= num_rows || L[b] < 0 || L[b] > pt_width) {
+            PyErr_Format(PyExc_ValueError, "kvguard: request %lld: row %lld or prefix %lld out of range",
+                         (long long)b, (long long)rows[b], (long long)L[b]);
+            return -1;
+        }
+        const int32_t *row = pt + rows[b] * pt_stride;
+        for (i64 p = 0; p < L[b]; p++)
+            if (row[p] < 0 || row[p] >= num_slots) {
+                PyErr_Format(PyExc_ValueError, "kvguard: row %lld position %lld names slot %d, outside the pool",
+                             (long long)rows[b], (long long)p, row[p]);
+                return -1;
+            }
+    }
+    for (i64 j = 0; j < N; j++) {
+        const i64 b = wbatch ? wbatch[j] : j;
+        if (b < 0 || b >= B || (j && wbatch && b < wbatch[j - 1]) || wslots[j] < 0 ||
+            wslots[j] >= num_slots || wpos[j] < 0) {
+            PyErr_Format(PyExc_ValueError, "kvguard: write %lld (request %lld, slot %lld, position %lld) out of range",
+                         (long long)j, (long long)b, (long long)wslots[j], (long long)wpos[j]);
+            return -1;
+        }
+    }
+    return 0;
+}
 
 /* ---- check_step: the verdict of one forward (pure: ledger and rows are only read) ----
  * args: ctx, step, B, rows, prefix_lens_host, N, write_slots, write_batch (0: one write per
@@ -250,6 +283,7 @@ static PyObject *check_step(PyObject *self, PyObject *const *args, Py_ssize_t na
     i64 *marks = PTR(i64 *, out[11]); /* [0]: count (cap + 1: overflowed), then page indices */
     const i64 marks_cap = out[12];
     i64 *scratch = PTR(i64 *, out[13]); /* >= 2 * T + B + 1 entries (guard_cpu.py sizes it) */
+    if (check_ranges(ctx, B, rows, L, N, wslots, wbatch, wpos, pt, pt_stride, pt_width, ps)) return NULL;
 
     /* clear what the previous check of this workspace set */
     if (marks[0] > marks_cap) {
@@ -571,7 +605,7 @@ static PyObject *alloc_pages(PyObject *self, PyObject *const *args, Py_ssize_t n
     const i64 n = a[2], ps = a[3], step = a[4];
     const i64 packed = (step << 24) | ((i64)EV_ALLOC << 20) | NO_ROW;
     for (i64 t = 0; t < n; t++) {
-        if (slots[t] % ps) continue;
+        if (slots[t] < 0 || slots[t] % ps || slots[t] / ps >= P.num_pages) continue;
         const i64 pg = slots[t] / ps;
         if (P.state[pg] == ALLOCATED && P.history[pg * HISTORY] == packed) continue;
         P.prior[pg] = P.state[pg];
@@ -595,6 +629,11 @@ static PyObject *release_pages(PyObject *self, PyObject *const *args, Py_ssize_t
     i64 kept = 0;
     for (i64 t = 0; t < n; t++) {
         const i64 pg = pages[t];
+        if (pg < 0 || pg >= P.num_pages) { /* not a page of this pool: never pushed */
+            keep[t] = 0;
+            dbl[t] = 1;
+            continue;
+        }
         int found = 0;
         map_slot(&seen, pg, &found);
         const int st = P.state[pg];
