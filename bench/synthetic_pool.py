@@ -7,7 +7,8 @@ prefixes hold identical bytes. Every engine event reaches the guard through its 
 (``on_alloc``, ``before_forward``, ``after_forward``, ``resolve``, ``releasing``/``on_release``,
 ``on_share``, ``on_rows_allocated``), in the order SGLang makes them. Corruptions are made the
 way engine bugs make them: through the page table, the allocator, the prefix cache or the bytes,
-never through the guard's state.
+never through the guard's state. ``device`` puts the pool (and so the guard) on a GPU, for the
+compiled Triton kernels.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import torch
 
 from kvguard.config import GuardConfig
 from kvguard.guard import Guard
+from kvguard.kernels.backend import GuardKernels
 from kvguard.metrics import GuardMetrics
 from kvguard.step import StepView
 from kvguard.verdict import StepVerdict, Violation
@@ -74,23 +76,25 @@ class SyntheticPool:
         num_rows: int = 32,
         max_len: int = 512,
         mode: str = "paranoid",
-        kernels: str | None = None,
+        kernels: str | GuardKernels | None = None,
         layers: int = 2,
         row_bytes: int = 16,
         sweep_tokens_per_step: int = 1024,
         seed: int = 0,
+        device: str = "cpu",
     ):
         self.ps = page_size
+        self.device = dev = torch.device(device)
         self.num_pages = num_pages
         self.num_slots = num_pages * page_size
         g = torch.Generator().manual_seed(seed)
         self.bufs = [
             torch.randint(
                 0, 255, (self.num_slots, 2, row_bytes // 2), dtype=torch.uint8, generator=g
-            )
+            ).to(dev)
             for _ in range(2 * layers)
         ]
-        self.table = torch.zeros(num_rows, max_len, dtype=torch.int32)
+        self.table = torch.zeros(num_rows, max_len, dtype=torch.int32, device=dev)
         config = GuardConfig(mode=mode, sweep_tokens_per_step=sweep_tokens_per_step)
         self.guard = Guard(
             config,
@@ -98,7 +102,7 @@ class SyntheticPool:
             page_size=page_size,
             num_rows=num_rows,
             kv_buffers=self.bufs,
-            device="cpu",
+            device=dev,
             metrics=_quiet_metrics(),
             kernels=kernels,
             engine=_Engine(self),
@@ -122,7 +126,7 @@ class SyntheticPool:
         row = self.free_rows.pop(0)
         self._n += 1
         req = Request(rid=f"r{self._n}", row=row, tokens=list(tokens), tenant_seed=tenant_seed)
-        self.guard.on_rows_allocated(torch.tensor([row]))
+        self.guard.on_rows_allocated(torch.tensor([row], device=self.device))
         if prefix is not None and prefix_pages:  # a prefix-cache hit on prefix's shared pages
             req.pages = prefix.pages[:prefix_pages]
             n = prefix_pages * self.ps
@@ -170,8 +174,9 @@ class SyntheticPool:
                 tok_all.append(r.tokens[p])
                 batch_all.append(b)
         self.step += 1
+        dev = self.device
         if fresh:
-            self.guard.on_alloc(torch.tensor(fresh, dtype=torch.int64))
+            self.guard.on_alloc(torch.tensor(fresh, dtype=torch.int64, device=dev))
         extend = (
             prefix_hit
             if prefix_hit is not None
@@ -180,18 +185,18 @@ class SyntheticPool:
         prefix_tokens = None
         if extend:
             flat = [t for r in reqs for t in r.tokens[: r.length]]
-            prefix_tokens = torch.tensor(flat, dtype=torch.int64)
+            prefix_tokens = torch.tensor(flat, dtype=torch.int64, device=dev)
         view = StepView(
             step=self.step,
-            rows=torch.tensor([r.row for r in reqs], dtype=torch.int64),
+            rows=torch.tensor([r.row for r in reqs], dtype=torch.int64, device=dev),
             prefix_lens_host=[r.length for r in reqs],
-            write_slots=torch.tensor(slots_all, dtype=torch.int64),
-            write_batch=torch.tensor(batch_all, dtype=torch.int64),
-            write_pos=torch.tensor(pos_all, dtype=torch.int64),
-            write_tokens=torch.tensor(tok_all, dtype=torch.int64),
+            write_slots=torch.tensor(slots_all, dtype=torch.int64, device=dev),
+            write_batch=torch.tensor(batch_all, dtype=torch.int64, device=dev),
+            write_pos=torch.tensor(pos_all, dtype=torch.int64, device=dev),
+            write_tokens=torch.tensor(tok_all, dtype=torch.int64, device=dev),
             page_table=self.table,
             prefix_tokens=prefix_tokens,
-            tenant_seeds=torch.tensor([r.tenant_seed for r in reqs], dtype=torch.int64),
+            tenant_seeds=torch.tensor([r.tenant_seed for r in reqs], dtype=torch.int64, device=dev),
             request_ids=[r.rid for r in reqs],
         )
         verdict = self.guard.before_forward(view)
@@ -214,7 +219,7 @@ class SyntheticPool:
         for i, b in enumerate(self.bufs):
             val = ((tokens * 31 + positions * 7 + i * 13) % 251).to(torch.uint8)
             b[slots] = val[:, None, None].expand(-1, b.shape[1], b.shape[2]) + torch.arange(
-                b.shape[2], dtype=torch.uint8
+                b.shape[2], dtype=torch.uint8, device=b.device
             )
 
     def share(self, req: Request, num_pages: int | None = None) -> None:
@@ -227,7 +232,7 @@ class SyntheticPool:
     def release(self, req: Request, keep_pages: int = 0) -> list[int]:
         """The request finishes: its private pages (beyond the first ``keep_pages``, which the
         prefix cache holds) go back to the free list, attributed to its row."""
-        pages = torch.tensor(req.pages[keep_pages:], dtype=torch.int64)
+        pages = torch.tensor(req.pages[keep_pages:], dtype=torch.int64, device=self.device)
         with self.guard.releasing(req.row):
             pages = pages[self.guard.attribute_free(pages)]
             back = self.guard.on_release(pages).tolist()
@@ -237,7 +242,9 @@ class SyntheticPool:
 
     def evict(self, pages: list[int]) -> list[int]:
         """The prefix cache (or a buggy free) returns pages with no request attributed."""
-        back = self.guard.on_release(torch.tensor(pages, dtype=torch.int64)).tolist()
+        back = self.guard.on_release(
+            torch.tensor(pages, dtype=torch.int64, device=self.device)
+        ).tolist()
         self.free_pages.extend(back)
         return back
 

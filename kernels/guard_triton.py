@@ -113,6 +113,28 @@ _CB = tl.constexpr(1024)  # pages cleared per iteration
 # mypy: disable-error-code="untyped-decorator,no-untyped-def"
 
 
+# Reductions and zeros through the builtins they wrap (triton.language's own wrappers are jitted
+# functions, which the interpreter re-patches at every call; compiled, both are the same code).
+@triton.jit
+def _max(x, axis: tl.constexpr):
+    return tl.reduce(x, axis, tl.standard._elementwise_max)
+
+
+@triton.jit
+def _sum(x, axis: tl.constexpr):
+    return tl.reduce(x, axis, tl.standard._sum_combine)
+
+
+@triton.jit
+def _cumsum(x, axis: tl.constexpr):
+    return tl.associative_scan(x, axis, tl.standard._sum_combine)
+
+
+@triton.jit
+def _zeros_like(x):
+    return tl.full(x.shape, 0, x.dtype)
+
+
 # -- hashes (all uint64, wrapping) ---------------------------------------------------------------
 @triton.jit
 def _u64(x):
@@ -158,18 +180,20 @@ def _poskey(pos):
 
 @triton.jit
 def _or_reduce(bits):
-    """OR of an int64 vector's verdict bits (bits 0..12)."""
-    out = tl.max(bits & 1, axis=0)
-    for k in tl.static_range(1, 13):
-        out = out | (tl.max((bits >> k) & 1, axis=0) << k)
-    return out
+    """OR of an int64 vector of verdict bits (each bit's max: it is either the bit or 0)."""
+    out = _max(bits & _TABLE, axis=0) | _max(bits & _MISPLACED, axis=0)
+    out = out | _max(bits & _DOUBLE, axis=0) | _max(bits & _WRONG, axis=0)
+    out = out | _max(bits & _SHAREDW, axis=0) | _max(bits & _OVERWRITE, axis=0)
+    out = out | _max(bits & _UNWRITTEN, axis=0) | _max(bits & _PREFIX, axis=0)
+    out = out | _max(bits & _CHECKSUM, axis=0) | _max(bits & _QPAGE, axis=0)
+    return out | _max(bits & _ROW, axis=0)
 
 
 @triton.jit
 def _upper_bound(base, stride, n, x, nsteps):
     """First k in [0, n) with base[k * stride] > x (n if none); base ascending."""
-    lo = tl.zeros_like(x)
-    hi = tl.zeros_like(x) + n
+    lo = _zeros_like(x)
+    hi = _zeros_like(x) + n
     for _ in range(nsteps):
         act = lo < hi
         mid = (lo + hi) // 2
@@ -183,8 +207,8 @@ def _upper_bound(base, stride, n, x, nsteps):
 @triton.jit
 def _lower_bound(base, n, x, nsteps):
     """First k in [0, n) with base[k] >= x (n if none); base ascending."""
-    lo = tl.zeros_like(x)
-    hi = tl.zeros_like(x) + n
+    lo = _zeros_like(x)
+    hi = _zeros_like(x) + n
     for _ in range(nsteps):
         act = lo < hi
         mid = (lo + hi) // 2
@@ -198,7 +222,7 @@ def _lower_bound(base, n, x, nsteps):
 @triton.jit
 def _mark(marks, page, mask, MCAP: tl.constexpr):
     """Remember a flagged page so the workspace can be cleared cheaply before its next use."""
-    idx = tl.atomic_add(marks + tl.zeros_like(page), 1, mask=mask)
+    idx = tl.atomic_add(marks + _zeros_like(page), 1, mask=mask)
     tl.store(marks + 1 + idx, page, mask=mask & (idx < MCAP))
 
 
@@ -207,7 +231,7 @@ def _token_inner(kv_base, kv_tab, kv_consts, wmax, nbuf, slot, mask, g, G, BT: t
                  BWORD: tl.constexpr):  # fmt: skip
     """Partial inner sums of tokens at ``slot`` over buffers g, g + G, ...: [BT] uint64.
     kv_tab[b] = (word offset of buffer b from buffer 0, words per row, row stride in words)."""
-    acc = tl.zeros([BT, BWORD], dtype=tl.uint64)
+    acc = tl.full([BT, BWORD], 0, tl.uint64)
     cols = tl.arange(0, BWORD)
     for bi in range(g, nbuf, G):
         off = tl.load(kv_tab + bi * 3)
@@ -220,21 +244,21 @@ def _token_inner(kv_base, kv_tab, kv_consts, wmax, nbuf, slot, mask, g, G, BT: t
             c = tl.load(kv_consts + bi * wmax + cw, mask=mw, other=0).to(tl.uint64, bitcast=True)
             x = tl.load(row[:, None] + cw[None, :], mask=mask[:, None] & mw[None, :], other=0)
             acc += x.to(tl.uint32, bitcast=True).to(tl.uint64) * c[None, :]
-    return tl.sum(acc, axis=1)
+    return _sum(acc, axis=1)
 
 
 @triton.jit
 def _page_digest(inner, job, lp, fill, hashed, PS: tl.constexpr, PSB: tl.constexpr):
     """Finish the digests of hashed pages (job rows of the inner scratch), zeroing the scratch."""
-    dig = tl.zeros(job.shape, dtype=tl.uint64)
+    dig = tl.full(job.shape, 0, tl.uint64)
     for o0 in range(0, PS, PSB):
         o = o0 + tl.arange(0, PSB)
         om = hashed[:, None] & (o[None, :] < fill[:, None])
         u = job[:, None] * PS + o[None, :]
         inn = tl.load(inner + u, mask=om, other=0)
         d = _fmix64(_u64(inn) ^ _poskey(tl.maximum(lp, 0)[:, None] * PS + o[None, :]))
-        dig += tl.sum(tl.where(om, d, 0), axis=1)
-        tl.store(inner + u, tl.zeros_like(inn), mask=om)
+        dig += _sum(tl.where(om, d, 0), axis=1)
+        tl.store(inner + u, _zeros_like(inn), mask=om)
     return dig
 
 
@@ -260,18 +284,18 @@ def _alloc_kernel(slots, n, stamps, stamp, p_state, p_prior, p_hist, num_pages, 
     s = tl.load(slots + t, mask=m, other=-1).to(tl.int64)
     page = s // PS
     head = m & (s >= 0) & (s % PS == 0) & (page < num_pages)
-    prev = tl.atomic_xchg(stamps + page, tl.zeros_like(page).to(tl.int32) + stamp, mask=head)
+    prev = tl.atomic_xchg(stamps + page, _zeros_like(page).to(tl.int32) + stamp, mask=head)
     first = head & (prev != stamp)
     packed = (step.to(tl.int64) << 24) | (_EV_ALLOC << 20) | _NO_ROW
     st = tl.load(p_state + page, mask=first, other=0)
     h0 = tl.load(p_hist + page * 4, mask=first, other=0)
     do = first & ~((st == _ALLOC) & (h0 == packed))
     tl.store(p_prior + page, st, mask=do)
-    tl.store(p_state + page, tl.zeros_like(st) + _ALLOC, mask=do)
+    tl.store(p_state + page, _zeros_like(st) + _ALLOC, mask=do)
     push = do & (h0 != packed)
     h1 = tl.load(p_hist + page * 4 + 1, mask=push, other=0)
     h2 = tl.load(p_hist + page * 4 + 2, mask=push, other=0)
-    tl.store(p_hist + page * 4, tl.zeros_like(h0) + packed, mask=push)
+    tl.store(p_hist + page * 4, _zeros_like(h0) + packed, mask=push)
     tl.store(p_hist + page * 4 + 1, h0, mask=push)
     tl.store(p_hist + page * 4 + 2, h1, mask=push)
     tl.store(p_hist + page * 4 + 3, h2, mask=push)
@@ -297,19 +321,19 @@ def _release_kernel(pages, n, winner, keep, double, p_state, p_prior, p_hist, nu
     w = tl.load(winner + p, mask=ok, other=-1)
     first = ok & (w == t)
     # only the first occurrence can match, so it alone puts the scratch back at rest
-    tl.store(winner + p, tl.zeros_like(w) + _BIG, mask=first)
+    tl.store(winner + p, _zeros_like(w) + _BIG, mask=first)
     st = tl.load(p_state + p, mask=ok, other=255).to(tl.int32)
     kp = first & ((st == _OWNED) | (st == _SHARED) | (st == _ALLOC))
     tl.store(keep + t, kp.to(tl.int8), mask=m)
     tl.store(double + t, ((st == _FREE) | ~first).to(tl.int8), mask=m)
     tl.store(p_prior + p, st.to(tl.uint8), mask=kp)
-    tl.store(p_state + p, tl.zeros_like(st).to(tl.uint8) + _FREE, mask=kp)
+    tl.store(p_state + p, _zeros_like(st).to(tl.uint8) + _FREE, mask=kp)
     packed = (step.to(tl.int64) << 24) | (_EV_FREE << 20) | _NO_ROW
     h0 = tl.load(p_hist + p * 4, mask=kp, other=0)
     push = kp & (h0 != packed)
     h1 = tl.load(p_hist + p * 4 + 1, mask=push, other=0)
     h2 = tl.load(p_hist + p * 4 + 2, mask=push, other=0)
-    tl.store(p_hist + p * 4, tl.zeros_like(h0) + packed, mask=push)
+    tl.store(p_hist + p * 4, _zeros_like(h0) + packed, mask=push)
     tl.store(p_hist + p * 4 + 1, h0, mask=push)
     tl.store(p_hist + p * 4 + 2, h1, mask=push)
     tl.store(p_hist + p * 4 + 3, h2, mask=push)
@@ -330,14 +354,14 @@ def _row_results(b, mb, meta, mout, rows, wbatch, r_npages, r_clen, r_ctail, see
     cl0 = tl.load(r_clen + r, mask=mb, other=0).to(tl.int64)
     ct0 = tl.load(r_ctail + r, mask=mb, other=0)
     np_b = (L + PS - 1) // PS
-    bits = tl.zeros_like(L)
+    bits = _zeros_like(L)
     n1 = n0
     cl1 = cl0
     ct1 = ct0
     if HAS_PREFIX:
         adopting = np_b > n0
         if adopting:
-            own = tl.zeros([], dtype=tl.uint64)
+            own = tl.full([], 0, tl.uint64)
             if HAS_SEEDS:
                 own = _u64(tl.load(seeds + b))
             q0 = tl.load(rec + 2)
@@ -347,10 +371,10 @@ def _row_results(b, mb, meta, mout, rows, wbatch, r_npages, r_clen, r_ctail, see
                 mq = q < L
                 tok = tl.load(ptok + q0 + q, mask=mq, other=0)
                 term = tl.where(mq, _chain_term(tok, q), 0)
-                cs = tl.cumsum(term, axis=0) + own
+                cs = _cumsum(term, axis=0) + own
                 end = mq & (((q + 1) % PS == 0) | (q == L - 1))
                 tl.store(expc + e0 + q // PS, _s64(cs), mask=end)
-                own = own + tl.sum(term, axis=0)
+                own = own + _sum(term, axis=0)
             n1 = n0 + (np_b - n0)
             cl1 = L
             ct1 = _s64(own)
@@ -489,7 +513,7 @@ def _read_kernel(
         mine = (owner == r) & (ogen == gen)
         lpage_ok = lp == i
         head_ok = (head % PS) == 0
-        bits = tl.zeros([BE], dtype=tl.int64)
+        bits = tl.full([BE], 0, tl.int64)
         if PS > 1:  # every position of a page read is that page's slot at its offset
             for o0 in range(0, PS, PSB):
                 o = o0 + tl.arange(0, PSB)
@@ -497,7 +521,7 @@ def _read_kernel(
                 qm = m[:, None] & (o[None, :] < PS) & (q < L[:, None])
                 v = tl.load(pt + r[:, None] * pt_stride + q, mask=qm, other=0).to(tl.int64)
                 bad = qm & (v != page[:, None] * PS + o[None, :])
-                bits = tl.where(tl.max(bad.to(tl.int32), axis=1) > 0, bits | _MISPLACED, bits)
+                bits = tl.where(_max(bad.to(tl.int32), axis=1) > 0, bits | _MISPLACED, bits)
         if HAS_PREFIX:
             cand = m & (i >= n0)
             exp_chain = tl.load(expc + e, mask=cand, other=0)
@@ -521,14 +545,14 @@ def _read_kernel(
         first = m & ((e == est) | (e == pid * BE))
         last = m & ((e == est_next - 1) | (e == pid * BE + BE - 1) | (e == T - 1))
         held_t = tl.where(m & ~cand, tag, 0)
-        cs = tl.cumsum(held_t, axis=0)
+        cs = _cumsum(held_t, axis=0)
         tl.atomic_add(rec + 4, _s64(cs), mask=last)
-        tl.atomic_add(rec + 4, _s64(tl.zeros_like(cs) - (cs - held_t)), mask=first)
+        tl.atomic_add(rec + 4, _s64(_zeros_like(cs) - (cs - held_t)), mask=first)
         if HAS_PREFIX:
             cand_t = tl.where(cand, tag, 0)
-            cs = tl.cumsum(cand_t, axis=0)
+            cs = _cumsum(cand_t, axis=0)
             tl.atomic_add(rec + 5, _s64(cs), mask=last)
-            tl.atomic_add(rec + 5, _s64(tl.zeros_like(cs) - (cs - cand_t)), mask=first)
+            tl.atomic_add(rec + 5, _s64(_zeros_like(cs) - (cs - cand_t)), mask=first)
         verified = m & (i < 0)
         if HASH:
             hashed, d = _hash_pred(e, ok, i, n0, fill, T, window_start, window_n, HAS_PREFIX,
@@ -541,17 +565,17 @@ def _read_kernel(
             pd = tl.load(p_digest + page, mask=hashed, other=0)
             bad = hashed & (_s64(dig) != pd)
             bits = tl.where(bad, bits | _CHECKSUM, bits)
-            tl.store(taint + page, tl.zeros_like(page).to(tl.uint8) + 1, mask=bad)
-            tl.store(rtaint + page, tl.zeros_like(page).to(tl.uint8) + 1, mask=bad)
+            tl.store(taint + page, _zeros_like(page).to(tl.uint8) + 1, mask=bad)
+            tl.store(rtaint + page, _zeros_like(page).to(tl.uint8) + 1, mask=bad)
             _mark(marks, page, bad, MCAP)
-            tl.store(flags + 1 + tl.zeros_like(page), tl.zeros_like(page) + 1, mask=bad)
-            tl.store(meta + 2 + tl.zeros_like(page), tl.zeros_like(page) + 1, mask=bad)
-            tl.atomic_add(meta, tl.sum(tl.where(hashed, fill, 0), axis=0))
+            tl.store(flags + 1 + _zeros_like(page), _zeros_like(page) + 1, mask=bad)
+            tl.store(meta + 2 + _zeros_like(page), _zeros_like(page) + 1, mask=bad)
+            tl.atomic_add(meta, _sum(tl.where(hashed, fill, 0), axis=0))
             if VERIFY_ALL:
                 verified = hashed & ~bad
         bits = tl.where(quar & ~cand & ~verified, bits | _QPAGE, bits)
         efree = m & free_ok & lpage_ok & head_ok & (fill >= need)
-        tl.store(meta + 3 + tl.zeros_like(page), tl.zeros_like(page) + 1, mask=efree)
+        tl.store(meta + 3 + _zeros_like(page), _zeros_like(page) + 1, mask=efree)
         tl.atomic_or(rec + 3, bits, mask=m & (bits != 0))
     elif pid < n_entry + n_req:
         # ---- row checks (no prefix this step: nothing adopted) ----
@@ -579,12 +603,12 @@ def _read_kernel(
         dig = _page_digest(inner, n_jobs_e + k, lp, fill, live, PS, PSB)
         pd = tl.load(p_digest + page, mask=live, other=0)
         bad = live & (_s64(dig) != pd)
-        tl.store(taint + page, tl.zeros_like(page).to(tl.uint8) + 1, mask=bad)
-        tl.store(rtaint + page, tl.zeros_like(page).to(tl.uint8) + 1, mask=bad)
+        tl.store(taint + page, _zeros_like(page).to(tl.uint8) + 1, mask=bad)
+        tl.store(rtaint + page, _zeros_like(page).to(tl.uint8) + 1, mask=bad)
         _mark(marks, page, bad, MCAP)
-        tl.store(flags + 1 + tl.zeros_like(page), tl.zeros_like(page) + 1, mask=bad)
-        tl.store(meta + 2 + tl.zeros_like(page), tl.zeros_like(page) + 1, mask=bad)
-        tl.atomic_add(meta, tl.sum(tl.where(live, fill, 0), axis=0))
+        tl.store(flags + 1 + _zeros_like(page), _zeros_like(page) + 1, mask=bad)
+        tl.store(meta + 2 + _zeros_like(page), _zeros_like(page) + 1, mask=bad)
+        tl.atomic_add(meta, _sum(tl.where(live, fill, 0), axis=0))
     else:
         # ---- the workspace of two steps ago (its verdict is read): clear what it flagged ----
         cnt = tl.load(c_marks)
@@ -592,7 +616,7 @@ def _read_kernel(
             for p0 in range(0, num_pages, _CB):
                 p = p0 + tl.arange(0, _CB)
                 mp = p < num_pages
-                z = tl.zeros([_CB], dtype=tl.uint8)
+                z = tl.full([_CB], 0, tl.uint8)
                 tl.store(c_taint + p, z, mask=mp)
                 tl.store(c_reclaim + p, z, mask=mp)
                 tl.store(c_rtaint + p, z, mask=mp)
@@ -601,7 +625,7 @@ def _read_kernel(
                 k = k0 + tl.arange(0, _CB)
                 mk = k < cnt
                 p = tl.load(c_marks + 1 + k, mask=mk, other=0)
-                z = tl.zeros([_CB], dtype=tl.uint8)
+                z = tl.full([_CB], 0, tl.uint8)
                 tl.store(c_taint + p, z, mask=mk)
                 tl.store(c_reclaim + p, z, mask=mk)
                 tl.store(c_rtaint + p, z, mask=mk)
@@ -668,7 +692,7 @@ def _write_kernel(
             page = head // PS
             okp = mi & (head >= 0) & (page < num_pages)
             rt = tl.load(rtaint + page, mask=okp, other=0).to(tl.int32)
-            if tl.max(rt, axis=0) > 0:
+            if _max(rt, axis=0) > 0:
                 bits = bits | _QPAGE
     # writes, in order
     base = ct1
@@ -677,7 +701,7 @@ def _write_kernel(
         if HAS_SEEDS:
             base = tl.load(seeds + b)
     carry = _u64(base)
-    nok = tl.zeros([], dtype=tl.int64)
+    nok = tl.full([], 0, tl.int64)
     for j0 in range(ws, we, BW):
         j = j0 + tl.arange(0, BW)
         mj = j < we
@@ -719,7 +743,7 @@ def _write_kernel(
         held = held_before | held_now
         cont_ok = ~claim & in_place & table_ok & pos_ok & held
         write_ok = mj & (claim_ok | cont_ok)
-        k = tl.zeros([BW], dtype=tl.int64)
+        k = tl.full([BW], 0, tl.int64)
         k = tl.where(~table_ok, k | _TABLE, k)
         k = tl.where(~in_place, k | _MISPLACED, k)
         k = tl.where(~pos_ok, k | _ROW, k)
@@ -735,8 +759,8 @@ def _write_kernel(
         k = tl.where(not_held & (wst != _SHARED) & ~overwrite, k | _WRONG, k)
         bits = bits | _or_reduce(tl.where(mj, k, 0))
         term = tl.where(mj, _chain_term(tok, wp), 0)
-        chain = carry + tl.cumsum(term, axis=0)
-        carry = carry + tl.sum(term, axis=0)
+        chain = carry + _cumsum(term, axis=0)
+        carry = carry + _sum(term, axis=0)
         f = write_ok.to(tl.int8) | (claim_ok.to(tl.int8) << 1) | (is_winner.to(tl.int8) << 2)
         tl.store(targets + j, t, mask=mj)
         tl.store(wchain + j, _s64(chain), mask=mj)
@@ -744,7 +768,7 @@ def _write_kernel(
         tl.store(wslots + j, (t * 0 + pad_slot).to(wslots.dtype.element_ty), mask=mj & ~write_ok)
         tl.atomic_max(last + wpage, j.to(tl.int32), mask=write_ok)
         tl.atomic_max(top + wpage, (woff + 1).to(tl.int32), mask=write_ok)
-        nok += tl.sum(write_ok.to(tl.int64), axis=0)
+        nok += _sum(write_ok.to(tl.int64), axis=0)
     tl.store(rec + 3, bits)
     if CHECKSUMS:
         tl.atomic_add(meta + 1, nok)
@@ -757,9 +781,9 @@ def _write_kernel(
             mj = j < we
             ok = mj & ((tl.load(wflags + j, mask=mj, other=0) & 1) != 0)
             page = tl.load(targets + j, mask=ok, other=0) // PS
-            tl.store(taint + page, tl.zeros_like(page).to(tl.uint8) + 1, mask=ok)
+            tl.store(taint + page, _zeros_like(page).to(tl.uint8) + 1, mask=ok)
             _mark(marks, page, ok, MCAP)
-            tl.store(flags + 1 + tl.zeros_like(page), tl.zeros_like(page) + 1, mask=ok)
+            tl.store(flags + 1 + _zeros_like(page), _zeros_like(page) + 1, mask=ok)
     elif tl.load(meta + 3) != 0:
         # freed pages a clean reader still validly holds: take them back (a premature free)
         for i0 in range(0, np_b, BE):
@@ -767,9 +791,9 @@ def _write_kernel(
             mi = i < np_b
             page, okp, efree = _entry_efree(pt, pt_stride, r, gen, L, i, mi, p_state, p_prior,
                                             p_fill, p_owner, p_ogen, p_lpage, num_pages, PS)  # fmt: skip
-            tl.store(reclaim + page, tl.zeros_like(page).to(tl.uint8) + 1, mask=efree)
+            tl.store(reclaim + page, _zeros_like(page).to(tl.uint8) + 1, mask=efree)
             _mark(marks, page, efree, MCAP)
-            tl.store(flags + 2 + tl.zeros_like(page), tl.zeros_like(page) + 1, mask=efree)
+            tl.store(flags + 2 + _zeros_like(page), _zeros_like(page) + 1, mask=efree)
 
 
 # -- apply_step -------------------------------------------------------------------------------------
@@ -804,13 +828,13 @@ def _apply_kernel(
         gen = tl.load(r_gen + r, mask=claim, other=0)
         st = tl.load(p_state + page, mask=claim, other=0)
         tl.store(p_prior + page, st, mask=claim)
-        tl.store(p_state + page, tl.zeros_like(st) + _OWNED, mask=claim)
+        tl.store(p_state + page, _zeros_like(st) + _OWNED, mask=claim)
         tl.store(p_epoch + page, step64 | (j + 1), mask=claim)
         tl.store(p_owner + page, r.to(tl.int32), mask=claim)
         tl.store(p_ogen + page, gen, mask=claim)
         tl.store(p_lpage + page, (wp // PS).to(tl.int32), mask=claim)
-        tl.store(p_fill + page, tl.zeros_like(wp).to(tl.int16), mask=claim)
-        tl.store(p_digest + page, tl.zeros_like(wp), mask=claim)
+        tl.store(p_fill + page, _zeros_like(wp).to(tl.int16), mask=claim)
+        tl.store(p_digest + page, _zeros_like(wp), mask=claim)
         packed = step64 | (_EV_CLAIM << 20) | (r & _NO_ROW)
         h0 = tl.load(p_hist + page * 4, mask=claim, other=0)
         push = claim & (h0 != packed)
@@ -824,9 +848,9 @@ def _apply_kernel(
         # chain is always set by some landing write); only it can match, so it resets the scratch
         v = tl.load(last + page, mask=ok, other=-1).to(tl.int64)
         is_last = ok & (v == j)
-        tl.store(last + page, tl.zeros_like(v).to(tl.int32) - 1, mask=is_last)
+        tl.store(last + page, _zeros_like(v).to(tl.int32) - 1, mask=is_last)
         tl.store(p_chain + page, tl.load(wchain + j, mask=is_last, other=0), mask=is_last)
-        tl.store(winner + page, tl.zeros_like(page).to(tl.int32) + _BIG, mask=(f & 4) != 0)
+        tl.store(winner + page, _zeros_like(page).to(tl.int32) + _BIG, mask=(f & 4) != 0)
         tl.store(wflags + j, f | (is_last.to(tl.int8) << 3), mask=mj)
     elif pid - n_wprog < B:
         b = pid - n_wprog
@@ -838,7 +862,7 @@ def _apply_kernel(
         ws = tl.load(mo + 3)
         we = tl.load(mo + 4)
         agg1 = tl.load(mo + 5)
-        claimed = tl.zeros([], dtype=tl.int64)
+        claimed = tl.full([], 0, tl.int64)
         tags = _u64(agg1)
         for j0 in range(ws, we, BW):
             j = j0 + tl.arange(0, BW)
@@ -846,8 +870,8 @@ def _apply_kernel(
             claim = mj & ((tl.load(wflags + j, mask=mj, other=0) & 2) != 0)
             wp = tl.load(wpos + j, mask=claim, other=0).to(tl.int64)
             tag = _page_tag(step64 | (j + 1), wp // PS)
-            claimed += tl.sum(claim.to(tl.int64), axis=0)
-            tags += tl.sum(tl.where(claim, tag, 0), axis=0)
+            claimed += _sum(claim.to(tl.int64), axis=0)
+            tags += _sum(tl.where(claim, tag, 0), axis=0)
         tl.store(r_npages + r, (n1 + claimed).to(tl.int32))
         tl.store(r_agg + r, _s64(tags))
         tl.store(r_clen + r, (cl1 + (we - ws)).to(tl.int32))
@@ -874,18 +898,31 @@ def _seal_kernel(p_fill, p_digest, wpos, inner, top, targets, wflags, N, REV,
         inn = tl.load(inner + j, mask=ok, other=0)
         wp = tl.load(wpos + j, mask=ok, other=0).to(tl.int64)
         d = _fmix64(_u64(inn) ^ _poskey(wp))
-        tl.store(inner + j, tl.zeros_like(inn), mask=ok)
+        tl.store(inner + j, _zeros_like(inn), mask=ok)
         tl.atomic_add(p_digest + page, _s64(d), mask=ok)
     # one writer per page (its last landing write): fill = max(fill, highest landed offset + 1)
     tp = tl.load(top + page, mask=is_last, other=0)
     fl = tl.load(p_fill + page, mask=is_last, other=0).to(tl.int32)
     tl.store(p_fill + page, tl.maximum(fl, tp).to(tl.int16), mask=is_last)
-    tl.store(top + page, tl.zeros_like(tp), mask=is_last)
+    tl.store(top + page, _zeros_like(tp), mask=is_last)
 
 
 @triton.jit
 def _probe_kernel(out):
     tl.store(out, 1)
+
+
+def _interpreting() -> bool:
+    return type(_read_kernel).__name__ == "InterpretedFunction"  # TRITON_INTERPRET=1 at import
+
+
+if _interpreting():
+    # The interpreter re-patches triton.language at every call of a jitted helper (most of its
+    # time here); inside a kernel it is patched already, so the helpers' rewritten bodies are
+    # called directly. Same code, same semantics: only the interpreter's bookkeeping is skipped.
+    for _name, _fn in list(globals().items()):
+        if type(_fn).__name__ == "InterpretedFunction" and not _name.endswith("_kernel"):
+            globals()[_name] = _fn.rewrite()
 
 
 # -- host side --------------------------------------------------------------------------------------
@@ -895,10 +932,6 @@ def _cdiv(a: int, b: int) -> int:
 
 def _pow2(x: int) -> int:
     return 1 << max(0, (x - 1).bit_length())
-
-
-def _interpreting() -> bool:
-    return isinstance(_read_kernel, triton.runtime.interpreter.InterpretedFunction)
 
 
 class _KvTables:

@@ -1,0 +1,329 @@
+"""The Triton kernels reach the reference's verdicts and leave its state, bit for bit.
+
+Under Triton's interpreter (CPU tensors, ``TRITON_INTERPRET=1``; it must be set before triton is
+imported, so the interpreted cases run in one subprocess of this file and each case reports its
+result): a subset of the scenario library that makes every violation kind at page sizes 1 and 16
+(plus two engine bugs the library does not make: a write the page table contradicts, a token
+written over its own sealed slot), decode steps as ``bench.step`` makes them (no write batch, no
+seeds), hand-outs and frees with repeats, and cases run with every grid's programs in reverse
+order and the KV sums split over buffer groups (the interpreter runs programs in order: a result
+that depends on the order shows up as a difference). After every forward the verdicts, the
+firewalled write slots, every ledger and row array, the KV bytes and the tokens hashed must equal
+the torch reference's, exactly as ``test_guard_kernels.py`` compares the compiled CPU kernels.
+
+On a machine with a GPU (``@pytest.mark.gpu``): the full matrix, compiled, on CUDA pools.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+
+# (scenario, mode, page size): every violation kind at page sizes 1 and 16, the clean path with the
+# rolling window and sweep, hand-off and verify-all checksums, reclaim, taint of readers
+_SUBSET = [
+    (scenario, mode, ps)
+    for ps in (1, 16)
+    for scenario, mode in (
+        ("clean", "sampled"),  # window and sweep on a clean pool
+        ("table_swap", "tags"),  # MISPLACED_SLOT
+        ("premature_free_reused", "tags"),  # WRONG_OWNER (stale holder), stale free kept
+        ("premature_free_not_reused", "tags"),  # reclaim
+        ("double_claim_same_step", "tags"),  # DOUBLE_ALLOCATION, first claim wins
+        ("shared_write", "tags"),  # WRITE_TO_SHARED, firewall
+        ("cross_tenant", "tags"),  # PREFIX_MISMATCH, tenant seeds
+        ("never_written", "tags"),  # READ_UNWRITTEN
+        ("position_gap", "tags"),  # ROW_MISMATCH
+        ("rebind", "tags"),
+        ("bit_flip_shared", "sampled"),  # CHECKSUM_MISMATCH, QUARANTINED_PAGE, readers tainted
+        ("read_before_ready", "paranoid"),  # hand-off checksum, verify-all
+        ("table_mismatch", "tags"),  # TABLE_MISMATCH (local scenario)
+    )
+] + [
+    ("overwrite_sealed", "tags", 16),  # OVERWRITE (local; at page size 1 every write claims)
+    ("write_unallocated", "tags", 16),
+]
+_ORDER_CASES = [  # programs in reverse order, KV sums over 3 buffer groups
+    ("bit_flip_shared", "paranoid", 16),
+    ("clean", "sampled", 1),
+    ("double_claim_same_step", "tags", 16),
+]
+_DECODE_CASES = [("tags", 16), ("sampled", 1), ("paranoid", 16)]
+
+
+def _case_ids() -> list[str]:
+    ids = [f"{s}-{m}-ps{p}" for s, m, p in _SUBSET]
+    ids += [f"reversed-{s}-{m}-ps{p}" for s, m, p in _ORDER_CASES]
+    ids += [f"decode-{m}-ps{p}" for m, p in _DECODE_CASES]
+    return ids + ["alloc-release"]
+
+
+# -- scenarios the library does not make ---------------------------------------------------------
+def table_mismatch(pool: Any) -> set[str]:
+    """a's next token goes to the slot it was allocated, but its page table names another slot at
+    that position (attention would read other KV there later): the write is refused."""
+    from guard_scenarios import _decode, _two
+
+    a, b = _two(pool)
+    honest = pool.guard.before_forward
+
+    def lying(view: Any) -> Any:
+        pos = a.length
+        kept = pool.table[a.row, pos].clone()
+        pool.table[a.row, pos] = pool.table[b.row, 0]
+        try:
+            return honest(view)
+        finally:
+            pool.table[a.row, pos] = kept
+
+    pool.guard.before_forward = lying
+    _decode(pool, [a, b], steps=1)
+    pool.guard.before_forward = honest
+    _decode(pool, [b])
+    return {a.rid}
+
+
+def overwrite_sealed(pool: Any) -> set[str]:
+    """a's forward runs again over its last position (a replayed step): its token lands on its
+    own sealed slot."""
+    from guard_scenarios import _decode, _two
+
+    a, b = _two(pool)
+    while (a.length - 1) % pool.ps == 0:
+        _decode(pool, [a, b], steps=1)
+    a.length -= 1
+    pool.forward([a, b], 1)
+    _decode(pool, [b])
+    return {a.rid}
+
+
+_LOCAL = {"table_mismatch": table_mismatch, "overwrite_sealed": overwrite_sealed}
+
+
+# -- the comparison (runs in the interpreter subprocess, and compiled on CUDA) --------------------
+def _trace(kernels: Any, scenario: str, mode: str, ps: int, device: str = "cpu") -> Any:
+    from guard_scenarios import SCENARIOS
+
+    from kvguard.bench.synthetic_pool import SyntheticPool
+
+    pool = SyntheticPool(page_size=ps, num_pages=4096 // ps + 16, mode=mode, max_len=512,
+                         kernels=kernels, sweep_tokens_per_step=64, device=device)  # fmt: skip
+    pool.trace = []
+    snapshot = pool.snapshot
+    checksums = pool.guard.config.checksums
+
+    def with_hashed(verdict: Any) -> dict[str, torch.Tensor]:
+        out: dict[str, torch.Tensor] = snapshot(verdict)
+        c = verdict.check
+        out["hashed"] = c.hashed.reshape(1).to(torch.int64).clone()
+        if kernels == "torch":  # the reference's seal hashed every landed write
+            total = int(c.hashed.sum()) + (int(c.write_ok.sum()) if checksums else 0)
+        else:
+            total = c.tokens_hashed()
+        out["tokens_hashed"] = torch.tensor([total])
+        return out
+
+    pool.snapshot = with_hashed
+    (SCENARIOS.get(scenario) or _LOCAL[scenario])(pool)
+    return pool
+
+
+def _differences(ref: Any, got: Any, what: str) -> str | None:
+    if len(ref.trace) != len(got.trace) or not ref.trace:
+        return f"{what}: {len(ref.trace)} steps in the reference, {len(got.trace)} here"
+    for step, (r, c) in enumerate(zip(ref.trace, got.trace)):
+        for key in r:
+            if not torch.equal(r[key], c[key].cpu()):
+                return f"{what}: step {step} {key} differs"
+    if [v.kinds for v in ref.violations] != [v.kinds for v in got.violations]:
+        return f"{what}: violations differ"
+    if ref.free_pages != got.free_pages:
+        return f"{what}: free lists differ"
+    return None
+
+
+def _compare(scenario: str, mode: str, ps: int, device: str = "cpu", **kw: Any) -> str | None:
+    from kvguard.kernels.guard_triton import TritonKernels
+
+    ref = _trace("torch", scenario, mode, ps)
+    got = _trace(TritonKernels(**kw), scenario, mode, ps, device)
+    return _differences(ref, got, f"{scenario} {mode} ps{ps}")
+
+
+def _decode_compare(mode: str, ps: int) -> str | None:
+    """bench.step's decode steps: no write batch, no seeds, private pages in random order."""
+    from kvguard.bench.step import DecodeBench
+    from kvguard.kernels.guard_triton import TritonKernels
+
+    traces = []
+    for kernels in ("torch", TritonKernels()):
+        bench = DecodeBench(mode, 3, 2 * ps + 3, 5, ps, kernels=kernels,  # type: ignore[arg-type]
+                            row_bytes=16, buffers=4)  # fmt: skip
+        g = bench.guard
+        g.reset()
+        g.on_rows_allocated(bench.rows)
+        snaps = []
+        for start, n in [(0, bench.prompt)] + [(bench.prompt + i, 1) for i in range(bench.new)]:
+            bench.forward(start, n)  # raises on any violation: the pool is clean
+            snaps.append([t.clone() for t in g.ledger.pages.tensors() + g.records.rows.tensors()])
+        traces.append(snaps)
+    for step, (r, c) in enumerate(zip(*traces)):
+        for i, (a, b) in enumerate(zip(r, c)):
+            if not torch.equal(a, b):
+                return f"decode {mode} ps{ps}: step {step} array {i} differs"
+    return None
+
+
+def _alloc_release_compare() -> str | None:
+    """Hand-outs and frees with pages repeated in one call, in random order."""
+    from kvguard.kernels import guard_ref
+    from kvguard.kernels.guard_state import PageArrays, RowArrays
+    from kvguard.kernels.guard_triton import TritonKernels
+
+    g = torch.Generator().manual_seed(3)
+    for ps in (1, 16):
+        num_pages = 64
+        P_ref, P_got = PageArrays.empty(num_pages, "cpu"), PageArrays.empty(num_pages, "cpu")
+        k = TritonKernels()
+        k.bind(P_got, RowArrays.empty(4, "cpu"), [])
+        for step in range(1, 40):
+            pages = torch.randint(0, num_pages, (24,), generator=g)
+            if step % 2:
+                slots = pages * ps + (torch.randint(0, 3, (24,), generator=g) == 0) * (ps > 1)
+                guard_ref.alloc_pages(P_ref, slots, ps, step)
+                k.alloc_pages(P_got, slots, ps, step)
+            else:
+                want = guard_ref.release_pages(P_ref, pages, step)
+                got = k.release_pages(P_got, pages, step)
+                if not all(torch.equal(a, b) for a, b in zip(want, got)):
+                    return f"release ps{ps} step {step}: keep/double differ"
+            for a, b in zip(P_ref.tensors(), P_got.tensors()):
+                if not torch.equal(a, b):
+                    return f"alloc/release ps{ps} step {step}: ledger differs"
+    return None
+
+
+def _run_interpreted() -> None:
+    """The subprocess: each case, one JSON line."""
+    assert os.environ.get("TRITON_INTERPRET") == "1"
+    sys.path.insert(0, str(HERE))
+    torch.set_num_threads(1)
+    jobs: list[tuple[str, Any]] = []
+    for s, m, p in _SUBSET:
+        jobs.append((f"{s}-{m}-ps{p}", lambda s=s, m=m, p=p: _compare(s, m, p)))
+    for s, m, p in _ORDER_CASES:
+        jobs.append((f"reversed-{s}-{m}-ps{p}",
+                     lambda s=s, m=m, p=p: _compare(s, m, p, reverse_programs=True,
+                                                    buffer_groups=3)))  # fmt: skip
+    for m, p in _DECODE_CASES:
+        jobs.append((f"decode-{m}-ps{p}", lambda m=m, p=p: _decode_compare(m, p)))
+    jobs.append(("alloc-release", _alloc_release_compare))
+    for name, job in jobs:
+        try:
+            problem = job()
+        except Exception as exc:  # a crash is a failed case, reported with its cause
+            problem = f"{type(exc).__name__}: {exc}"
+        print(json.dumps({"case": name, "problem": problem}), flush=True)
+
+
+@pytest.fixture(scope="module")
+def interpreted() -> dict[str, str | None]:
+    pytest.importorskip("triton")
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    r = subprocess.run(
+        [sys.executable, str(Path(__file__)), "--interpreted"],
+        env=env,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    results = {}
+    for line in r.stdout.splitlines():
+        if line.startswith("{"):
+            row = json.loads(line)
+            results[row["case"]] = row["problem"]
+    if r.returncode != 0 and not results:
+        pytest.fail(f"interpreter subprocess failed:\n{r.stdout[-4000:]}\n{r.stderr[-4000:]}")
+    return results
+
+
+@pytest.mark.parametrize("case", _case_ids())
+def test_interpreted_kernels_match_the_reference(interpreted: dict[str, str | None], case: str):
+    assert case in interpreted, f"{case}: no result (the subprocess stopped early)"
+    assert interpreted[case] is None, interpreted[case]
+
+
+def test_local_scenarios_make_their_violation():
+    """The two scenarios added here make the kinds they are here for, and flag exactly their
+    victims (on the reference)."""
+    sys.path.insert(0, str(HERE))
+    from kvguard.bench.synthetic_pool import SyntheticPool
+    from kvguard.kernels.guard_ref import OVERWRITE, TABLE_MISMATCH
+
+    for scenario, ps, bit in (("table_mismatch", 1, TABLE_MISMATCH),
+                              ("table_mismatch", 16, TABLE_MISMATCH),
+                              ("overwrite_sealed", 16, OVERWRITE)):  # fmt: skip
+        pool = SyntheticPool(page_size=ps, num_pages=4096 // ps + 16, mode="tags", max_len=512,
+                             kernels="torch", sweep_tokens_per_step=64)  # fmt: skip
+        pool.trace = []
+        victims = _LOCAL[scenario](pool)
+        kinds = 0
+        for t in pool.trace:
+            for k in t["kinds"].tolist():
+                kinds |= k
+        assert kinds & bit, (scenario, ps, kinds)
+        assert pool.flagged() == victims, (scenario, ps)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("ps", [1, 16, 64])
+@pytest.mark.parametrize("mode", ["tags", "sampled", "paranoid"])
+def test_compiled_kernels_match_the_reference_on_cuda(mode: str, ps: int):
+    """Every scenario, compiled for the GPU: the pool and the guard on CUDA, the reference on
+    the CPU; then the same with programs reversed and KV sums split over buffer groups."""
+    sys.path.insert(0, str(HERE))
+    from guard_scenarios import SCENARIOS
+
+    for scenario in sorted(SCENARIOS) + sorted(_LOCAL):
+        if scenario == "overwrite_sealed" and ps == 1:
+            continue
+        for kw in ({}, {"reverse_programs": True, "buffer_groups": 3}):
+            problem = _compare(scenario, mode, ps, device="cuda", **kw)
+            assert problem is None, f"{problem} ({kw or 'default launch'})"
+
+
+@pytest.mark.gpu
+def test_compiled_checksum_matches_the_reference_on_cuda():
+    """The guard's fused checksum (every buffer in one launch, split over buffer groups) on KV
+    shaped like the targets: FP8 MHA rows and an MLA latent row."""
+    from kvguard.kernels.guard_triton import TritonKernels
+    from kvguard.kernels.kv_checksum_ref import token_digests_ref
+
+    g = torch.Generator().manual_seed(1)
+    bufs = [torch.randn(4096, 1, 576, generator=g).to(torch.bfloat16)]
+    bufs += [
+        torch.randint(0, 255, (4096, 8, 128), dtype=torch.uint8, generator=g) for _ in range(6)
+    ]
+    slots = torch.randperm(4096, generator=g)[:3000]
+    pos = torch.randint(0, 1 << 20, (3000,), generator=g)
+    want = token_digests_ref(bufs, slots, pos)
+    for groups in (None, 1, 7):
+        got = TritonKernels(buffer_groups=groups).token_digests(
+            [b.cuda() for b in bufs], slots.cuda(), pos.cuda()
+        )
+        assert torch.equal(got.cpu(), want), groups
+
+
+if __name__ == "__main__" and "--interpreted" in sys.argv:
+    _run_interpreted()
