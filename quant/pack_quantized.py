@@ -19,7 +19,13 @@ What is quantized (``--targets``):
   Kept in BF16: attention (MLA's ``kv_b_proj`` is split into per-head absorbed matrices at load),
   the shared experts, the dense first layer's MLP, the router, embeddings and ``lm_head``.
 * ``mlp``: the routed experts, the shared experts and the dense MLP linears (attention, router,
-  embeddings and ``lm_head`` stay BF16).
+  embeddings and ``lm_head`` stay BF16). A linear whose shape SGLang's GPU kernel for W4A16
+  linears (Marlin) cannot take (out_features % 64, in_features % 128) stays BF16 too and is named
+  in ``ignore``, so that the checkpoint loads on a GPU as well.
+
+The routed experts need the GPU MoE kernel's shapes (hidden % 128, moe_intermediate_size %
+max(64, group)); the report says whether they have them (``experts_fit_gpu_moe_marlin``). CPUs
+serve any shape whose in_features the group size divides.
 
 SGLang reads this with ``CompressedTensorsConfig``: on CUDA the experts repack to Marlin
 (``CompressedTensorsWNA16MoE``; ``--moe-runner-backend triton`` for the Triton kernel, which
@@ -65,15 +71,34 @@ class PackQuantizeError(ValueError):
     """The checkpoint or the settings cannot be written as pack-quantized W4A16."""
 
 
+def marlin_linear_fits(weight: torch.Tensor) -> bool:
+    """SGLang's Marlin W4A16 linear: out_features % 64 and in_features % 128 (marlin_utils)."""
+    n, k = weight.shape
+    return n % 64 == 0 and k % 128 == 0
+
+
+def marlin_moe_fits(cfg: dict, group_size: int) -> bool:
+    """SGLang's MoE Marlin kernel: hidden % 128, intermediate % max(64, group), group in
+    32/64/128 (``check_moe_marlin_supports_layer``)."""
+    return (
+        cfg["hidden_size"] % 128 == 0
+        and cfg["moe_intermediate_size"] % max(64, group_size) == 0
+        and group_size in (32, 64, 128)
+    )
+
+
 def quantized_linears(tensors: dict[str, torch.Tensor], targets: str) -> list[str]:
-    """Module names (``<name>.weight`` in ``tensors``) that ``targets`` quantizes, sorted."""
+    """Module names (``<name>.weight`` in ``tensors``) that ``targets`` quantizes, sorted. Under
+    ``mlp``, non-expert linears the GPU linear kernel cannot take are left out."""
     if targets not in TARGETS:
         raise PackQuantizeError(f"--targets {targets!r}: choose one of {', '.join(TARGETS)}")
     rules = [_EXPERT] if targets == "experts" else [_EXPERT, _SHARED, _DENSE]
     names = sorted(
         key[: -len(".weight")]
-        for key in tensors
-        if key.endswith(".weight") and any(r.match(key[: -len(".weight")]) for r in rules)
+        for key, t in tensors.items()
+        if key.endswith(".weight")
+        and any(r.match(key[: -len(".weight")]) for r in rules)
+        and (_EXPERT.match(key[: -len(".weight")]) or marlin_linear_fits(t))
     )
     if not any(_EXPERT.match(n) for n in names):
         raise PackQuantizeError(
@@ -119,8 +144,9 @@ def unpack_weight(packed: torch.Tensor, scale: torch.Tensor, group_size: int) ->
     return ((codes - 8).to(torch.float32) * scale.to(torch.float32)[:, group]).contiguous()
 
 
-def quantization_config(group_size: int, targets: str) -> dict:
-    """``quantization_config`` as a compressed-tensors W4A16 checkpoint (Kimi K2 Thinking) has it."""
+def quantization_config(group_size: int, targets: str, keep: list[str] | None = None) -> dict:
+    """``quantization_config`` as a compressed-tensors W4A16 checkpoint (Kimi K2 Thinking) has
+    it; ``keep``: further module names left in BF16."""
     return {
         "config_groups": {
             "group_0": {
@@ -142,7 +168,7 @@ def quantization_config(group_size: int, targets: str) -> dict:
             }
         },
         "format": "pack-quantized",
-        "ignore": list(IGNORE[targets]),
+        "ignore": list(IGNORE[targets]) + sorted(keep or []),
         "kv_cache_scheme": None,
         "quant_method": "compressed-tensors",
         "quantization_status": "compressed",
@@ -161,6 +187,14 @@ def quantize_moe_checkpoint(
     """Write the pack-quantized checkpoint to ``out``; returns the report (quant_report.json)."""
     names = quantized_linears(tensors, targets)
     check_group_size(tensors, names, group_size)
+    rules = [_EXPERT] if targets == "experts" else [_EXPERT, _SHARED, _DENSE]
+    keep = sorted(  # MLP linears of the targets left BF16 for the GPU kernel's shapes
+        key[: -len(".weight")]
+        for key in tensors
+        if key.endswith(".weight")
+        and any(r.match(key[: -len(".weight")]) for r in rules)
+        and key[: -len(".weight")] not in names
+    )
     t0 = time.time()
     result: dict[str, torch.Tensor] = {}
     quantized = set(names)
@@ -186,7 +220,7 @@ def quantize_moe_checkpoint(
             and f.suffix not in (".bin", ".pt", ".gguf")
         ):
             shutil.copy2(f, out / f.name)
-    cfg = dict(cfg, quantization_config=quantization_config(group_size, targets))
+    cfg = dict(cfg, quantization_config=quantization_config(group_size, targets, keep))
     (out / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
     all_bytes = sum(t.numel() * t.element_size() for t in tensors.values())
     report = {
@@ -196,6 +230,8 @@ def quantize_moe_checkpoint(
         "group_size": group_size,
         "targets": targets,
         "layers_quantized": len(names),
+        "kept_bf16_for_gpu_linear_kernel": keep,
+        "experts_fit_gpu_moe_marlin": marlin_moe_fits(cfg, group_size),
         "quantized_weight_bytes_source": src_bytes,
         "quantized_weight_bytes_int4": q_bytes,
         "ratio": q_bytes / max(src_bytes, 1),

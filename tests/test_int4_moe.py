@@ -138,8 +138,45 @@ def test_quantize_command_writes_the_checkpoint(tmp_path):
     assert "model.layers.1.mlp.shared_experts.down_proj.weight" in tensors  # BF16, as K2 ships
     assert (out / "tokenizer.json").is_file()
     assert not (out / "build_report.json").exists()
-    report_mlp = Q.quantize_checkpoint(model, tmp_path / "mlp", targets="mlp", log=lambda *a: None)
-    assert report_mlp["layers_quantized"] > report["layers_quantized"]
+    assert report["kept_bf16_for_gpu_linear_kernel"] == []
+    # --targets mlp: the tiny spec's MLP linears reading the hidden state (in_features 64) are
+    # narrower than SGLang's GPU W4A16 linear kernel takes (in % 128): kept BF16 and named in
+    # ignore; the rest (the dense down_proj, in_features 128) quantized with the experts
+    mlp = Q.quantize_checkpoint(model, tmp_path / "mlp", targets="mlp", log=lambda *a: None)
+    kept = mlp["kept_bf16_for_gpu_linear_kernel"]
+    assert kept and all(".shared_experts." in k or ".layers.0.mlp." in k for k in kept)
+    ignore = json.loads((tmp_path / "mlp" / "config.json").read_text())["quantization_config"]
+    assert set(kept) <= set(ignore["ignore"])
+    assert mlp["layers_quantized"] == report["layers_quantized"] + 1
+
+
+def test_kimi_model_fits_sglangs_gpu_kernels():
+    """The committed Kimi model's experts have the shapes SGLang's MoE Marlin kernel takes, and
+    under --targets mlp only the linears Marlin's W4A16 linear kernel takes are quantized."""
+    from types import SimpleNamespace
+
+    from sglang.srt.layers.quantization.marlin_utils import (
+        check_marlin_supports_shape,
+        check_moe_marlin_supports_layer,
+    )
+
+    from kvguard.serve.kimi_model import ensure_kimi_model
+
+    model = ensure_kimi_model()
+    cfg = json.loads((model / "config.json").read_text())
+    layer = SimpleNamespace(
+        hidden_size=cfg["hidden_size"],
+        intermediate_size_per_partition=cfg["moe_intermediate_size"],
+        moe_runner_config=SimpleNamespace(
+            apply_router_weight_on_input=False, is_gated=True, activation="silu"
+        ),
+    )
+    assert check_moe_marlin_supports_layer(layer, 32) and PQ.marlin_moe_fits(cfg, 32)
+    tensors = Q.read_tensors(model)
+    for name in PQ.quantized_linears(tensors, "mlp"):
+        n, k = tensors[name + ".weight"].shape
+        if ".experts." not in name:
+            assert check_marlin_supports_shape(n, k, k, 32)[0], name
 
 
 def test_quantize_moe_clear_errors(tmp_path):
