@@ -68,7 +68,7 @@ from .kv_checksum_ref import (
 _I64 = torch.int64
 _I32 = torch.int32
 _BIG32 = (1 << 31) - 1  # claim winner at rest (no claim)
-HDR = 8  # header words: hashed (check, seal), any read taint, any free read, 4 flags
+HDR = 16  # header: hashed (check, seal), any read taint, any free read, refused; 8..12: flags
 REC = 6  # metadata words per request: L, entry start, token start, kinds, held-tag sum, adopted sum
 OREC = 8  # per-request results: n_pages, chain_len, chain_tail, write start, write end, agg
 MCAP = 4096  # pages a workspace remembers having flagged (beyond: the whole array is cleared)
@@ -106,6 +106,7 @@ _PREFIX = tl.constexpr(1 << 7)
 _CHECKSUM = tl.constexpr(1 << 8)
 _QPAGE = tl.constexpr(1 << 9)
 _ROW = tl.constexpr(1 << 12)
+_REFUSED = tl.constexpr(4)  # header word: the step names an index outside the pool or table
 _CB = tl.constexpr(1024)  # pages cleared per iteration
 
 # Triton kernel arguments are pointers and ints that Triton specializes on; annotations other
@@ -342,14 +343,17 @@ def _release_kernel(pages, n, winner, keep, double, p_state, p_prior, p_hist, nu
 # -- check: own chains of prefix-cache hand-offs (extend steps) -----------------------------------
 @triton.jit
 def _row_results(b, mb, meta, mout, rows, wbatch, r_npages, r_clen, r_ctail, seeds, ptok, expc,
-                 B, N, nsteps_n, PS: tl.constexpr, HAS_WB: tl.constexpr, HAS_PREFIX: tl.constexpr,
-                 HAS_SEEDS: tl.constexpr, BQ: tl.constexpr):  # fmt: skip
+                 B, N, num_rows, nsteps_n, PS: tl.constexpr, HAS_WB: tl.constexpr,
+                 HAS_PREFIX: tl.constexpr, HAS_SEEDS: tl.constexpr, BQ: tl.constexpr):  # fmt: skip
     """Per-request results of the row checks (adoption included): n_pages, chain_len, chain_tail,
     the request's write segment; ROW_MISMATCH bits into its kinds. With a prefix, one request
     (b scalar) and its own chain; otherwise a vector of requests."""
     rec = meta + _HDR + b * _REC
     L = tl.load(rec, mask=mb, other=0)
     r = tl.load(rows + b, mask=mb, other=0).to(tl.int64)
+    bad_row = mb & ((r < 0) | (r >= num_rows))
+    tl.store(meta + _REFUSED + b * 0, b * 0 + 1, mask=bad_row)  # nothing outside the table is read
+    mb = mb & ~bad_row
     n0 = tl.load(r_npages + r, mask=mb, other=0).to(tl.int64)
     cl0 = tl.load(r_clen + r, mask=mb, other=0).to(tl.int64)
     ct0 = tl.load(r_ctail + r, mask=mb, other=0)
@@ -359,7 +363,7 @@ def _row_results(b, mb, meta, mout, rows, wbatch, r_npages, r_clen, r_ctail, see
     cl1 = cl0
     ct1 = ct0
     if HAS_PREFIX:
-        adopting = np_b > n0
+        adopting = mb & (np_b > n0)
         if adopting:
             own = tl.full([], 0, tl.uint64)
             if HAS_SEEDS:
@@ -398,20 +402,21 @@ def _row_results(b, mb, meta, mout, rows, wbatch, r_npages, r_clen, r_ctail, see
 
 @triton.jit
 def _prefix_kernel(meta, mout, rows, wbatch, r_npages, r_clen, r_ctail, seeds, ptok, expc, B, N,
-                   nsteps_n, REV, PS: tl.constexpr, HAS_WB: tl.constexpr, HAS_SEEDS: tl.constexpr,
-                   BQ: tl.constexpr):  # fmt: skip
+                   num_rows, nsteps_n, REV, PS: tl.constexpr, HAS_WB: tl.constexpr,
+                   HAS_SEEDS: tl.constexpr, BQ: tl.constexpr):  # fmt: skip
     pid = tl.program_id(0)
     if REV:
         pid = tl.num_programs(0) - 1 - pid
     _row_results(pid.to(tl.int64), pid < B, meta, mout, rows, wbatch, r_npages, r_clen, r_ctail,
-                 seeds, ptok, expc, B, N, nsteps_n, PS, HAS_WB, True, HAS_SEEDS, BQ)  # fmt: skip
+                 seeds, ptok, expc, B, N, num_rows, nsteps_n, PS, HAS_WB, True, HAS_SEEDS,
+                 BQ)  # fmt: skip
 
 
 # -- check and seal: partial KV sums of hashed tokens ---------------------------------------------
 @triton.jit
 def _hash_kernel(kv_base, kv_tab, kv_consts, wmax, nbuf, inner, n_units, G, REV,
                  # read entries and sweep (check) ...
-                 meta, rows, pt, pt_stride, r_npages, p_state, p_fill, B, T, num_pages,
+                 meta, rows, pt, pt_stride, r_npages, p_state, p_fill, B, T, num_pages, num_rows,
                  window_start, window_n, n_jobs_e, sweep_start, nsteps_b,
                  # ... or landed writes (seal)
                  wflags, targets,
@@ -444,6 +449,7 @@ def _hash_kernel(kv_base, kv_tab, kv_consts, wmax, nbuf, inner, n_units, G, REV,
         est = tl.load(rec + 1, mask=me, other=0)
         i = e - est
         r = tl.load(rows + b, mask=me, other=0).to(tl.int64)
+        me = me & (r >= 0) & (r < num_rows)
         n0 = tl.load(r_npages + r, mask=me, other=0).to(tl.int64)
         head = tl.load(pt + r * pt_stride + i * PS, mask=me, other=0).to(tl.int64)
         epage = head // PS
@@ -475,8 +481,8 @@ def _read_kernel(
     rows, wslots, wbatch, wpos, pt, pt_stride, seeds,
     meta, mout, expc, inner, winner, taint, rtaint, marks, flags,
     c_taint, c_reclaim, c_rtaint, c_marks,
-    B, N, T, num_pages, window_start, window_n, sweep_start, sweep_n, n_jobs_e, nsteps_b,
-    nsteps_n, n_entry, n_req, n_claim, n_sweep, REV,
+    B, N, T, num_pages, num_rows, window_start, window_n, sweep_start, sweep_n, n_jobs_e,
+    nsteps_b, nsteps_n, n_entry, n_req, n_claim, n_sweep, REV,
     PS: tl.constexpr, PSB: tl.constexpr, BE: tl.constexpr, BR: tl.constexpr, BW: tl.constexpr,
     BS: tl.constexpr, MCAP: tl.constexpr, HAS_WB: tl.constexpr, HAS_PREFIX: tl.constexpr,
     HAS_SEEDS: tl.constexpr, HASH: tl.constexpr, HASH_ALL: tl.constexpr,
@@ -498,11 +504,13 @@ def _read_kernel(
         est_next = tl.load(rec + _REC + 1, mask=m, other=0)
         i = e - est
         r = tl.load(rows + b, mask=m, other=0).to(tl.int64)
+        m = m & (r >= 0) & (r < num_rows)  # the row checks refuse the step otherwise
         gen = tl.load(r_gen + r, mask=m, other=0)
         n0 = tl.load(r_npages + r, mask=m, other=0).to(tl.int64)
         head = tl.load(pt + r * pt_stride + i * PS, mask=m, other=0).to(tl.int64)
         page = head // PS
         ok = m & (head >= 0) & (page < num_pages)
+        tl.store(meta + _REFUSED + e * 0, e * 0 + 1, mask=m & ~ok)  # a slot outside the pool
         st = tl.load(p_state + page, mask=ok, other=255).to(tl.int32)
         pr = tl.load(p_prior + page, mask=ok, other=255).to(tl.int32)
         fill = tl.load(p_fill + page, mask=ok, other=0).to(tl.int64)
@@ -521,6 +529,8 @@ def _read_kernel(
                 qm = m[:, None] & (o[None, :] < PS) & (q < L[:, None])
                 v = tl.load(pt + r[:, None] * pt_stride + q, mask=qm, other=0).to(tl.int64)
                 bad = qm & (v != page[:, None] * PS + o[None, :])
+                out = _max((qm & ((v < 0) | (v >= num_pages * PS))).to(tl.int32), 1) > 0
+                tl.store(meta + _REFUSED + e * 0, e * 0 + 1, mask=out)
                 bits = tl.where(_max(bad.to(tl.int32), axis=1) > 0, bits | _MISPLACED, bits)
         if HAS_PREFIX:
             cand = m & (i >= n0)
@@ -581,15 +591,24 @@ def _read_kernel(
         # ---- row checks (no prefix this step: nothing adopted) ----
         bb = (pid - n_entry) * BR + tl.arange(0, BR)
         _row_results(bb, bb < B, meta, mout, rows, wbatch, r_npages, r_clen, r_ctail, seeds, 0,
-                     expc, B, N, nsteps_n, PS, HAS_WB, False, HAS_SEEDS, 16)  # fmt: skip
+                     expc, B, N, num_rows, nsteps_n, PS, HAS_WB, False, HAS_SEEDS,
+                     16)  # fmt: skip
     elif pid < n_entry + n_req + n_claim:
         # ---- claims: the first claim of a page in the step wins ----
         j = (pid - n_entry - n_req) * BW + tl.arange(0, BW)
         mj = j < N
         t = tl.load(wslots + j, mask=mj, other=-1).to(tl.int64)
         wp = tl.load(wpos + j, mask=mj, other=0).to(tl.int64)
+        if HAS_WB:  # requests in range and in batch order
+            wb = tl.load(wbatch + j, mask=mj, other=0)
+            wb_prev = tl.load(wbatch + j - 1, mask=mj & (j > 0), other=0)
+            bad_b = (wb < 0) | (wb >= B) | (wb < wb_prev)
+        else:
+            bad_b = j >= B
+        bad = mj & ((t < 0) | (t >= num_pages * PS) | (wp < 0) | bad_b)
+        tl.store(meta + _REFUSED + j * 0, j * 0 + 1, mask=bad)
         woff = t % PS
-        claim = mj & (t >= 0) & (woff == 0) & (woff == wp % PS) & (t // PS < num_pages)
+        claim = mj & ~bad & (woff == 0) & (woff == wp % PS)
         tl.atomic_min(winner + t // PS, j.to(tl.int32), mask=claim)
     elif pid < n_entry + n_req + n_claim + n_sweep:
         # ---- sweep of resting pages: verdicts of the hashes ----
@@ -665,6 +684,23 @@ def _write_kernel(
     if REV:
         pid = tl.num_programs(0) - 1 - pid
     b = pid.to(tl.int64)
+    if tl.load(meta + _REFUSED) != 0:
+        # refused (an index outside the pool or table): every write of the step goes to the
+        # padding slot, no transition follows (apply and seal see no landed write), and reading
+        # the verdict raises. Program b takes its share of the writes, whoever they belong to.
+        per = (N + B - 1) // B
+        for j0 in range(b * per, tl.minimum(b * per + per, N), BW):
+            j = j0 + tl.arange(0, BW)
+            mj = j < tl.minimum(b * per + per, N)
+            t = tl.load(wslots + j, mask=mj, other=-1).to(tl.int64)
+            wp = tl.load(wpos + j, mask=mj, other=0).to(tl.int64)
+            tl.store(targets + j, t, mask=mj)
+            tl.store(wflags + j, tl.full([BW], 0, tl.int8), mask=mj)
+            tl.store(wslots + j, (t * 0 + pad_slot).to(wslots.dtype.element_ty), mask=mj)
+            put_back = mj & (t >= 0) & (t < num_pages * PS) & (t % PS == 0) & (wp >= 0)
+            tl.store(winner + t // PS, tl.full([BW], 0, tl.int32) + _BIG, mask=put_back)
+        tl.store(flags + 4, b * 0 + 1)
+        return
     rec = meta + _HDR + b * _REC
     mo = mout + b * _OREC
     L = tl.load(rec)
@@ -852,7 +888,7 @@ def _apply_kernel(
         tl.store(p_chain + page, tl.load(wchain + j, mask=is_last, other=0), mask=is_last)
         tl.store(winner + page, _zeros_like(page).to(tl.int32) + _BIG, mask=(f & 4) != 0)
         tl.store(wflags + j, f | (is_last.to(tl.int8) << 3), mask=mj)
-    elif pid - n_wprog < B:
+    elif (pid - n_wprog < B) & (tl.load(meta + _REFUSED) == 0):
         b = pid - n_wprog
         mo = mout + b * _OREC
         r = tl.load(rows + b).to(tl.int64)
@@ -973,7 +1009,7 @@ class _Workspace:
         self.marks = torch.zeros(1 + MCAP, dtype=_I64, device=device)
         self.zero_copy = zero_copy
         pin = self.cuda
-        self.flags_host = torch.zeros(4, dtype=_I64, pin_memory=pin)
+        self.flags_host = torch.zeros(5, dtype=_I64, pin_memory=pin)
         self.flags_np = self.flags_host.numpy()
         self.event: Any = torch.cuda.Event() if self.cuda else None  # type: ignore[no-untyped-call]
         self.flags_event: Any = torch.cuda.Event() if self.cuda else None  # type: ignore[no-untyped-call]
@@ -1002,7 +1038,7 @@ class _Workspace:
             self.mout = torch.zeros((b + 1) * OREC, dtype=_I64, device=self.device)
             self.hashed_view = self.meta[0:1]
             self.seal_view = self.meta[1:2]
-            self.flags_dev = self.meta[4:8]
+            self.flags_dev = self.meta[8:13]
         if n > self.n:
             self.n = n
             self.targets = torch.zeros(n, dtype=_I64, device=self.device)
@@ -1067,6 +1103,12 @@ class TritonStepCheck(StepCheck):
             if not ws.zero_copy:
                 ws.flags_host.copy_(ws.flags_dev)
         f = ws.flags_np
+        if f[4]:
+            raise ValueError(
+                "kvguard: a step index is out of range (a request's row, a slot its page table "
+                "names outside the pool, or a write out of range): refused on the device, "
+                "nothing outside the pool read or written, every write sent to the padding slot"
+            )
         out = (bool(f[0]), bool(f[1]), bool(f[2]), int(f[3]))
         if self.applied:  # final: apply wrote the tokens hashed
             self._host = out
@@ -1075,7 +1117,8 @@ class TritonStepCheck(StepCheck):
     def flags(self) -> tuple[bool, bool, bool]:
         """(any request flagged, any page tainted, any page to reclaim), after the engine's sync:
         host memory the kernels wrote (no dispatch), or one small copy where the device cannot
-        write host memory."""
+        write host memory. A step the kernels refused (an index outside the pool or the table)
+        raises ValueError here, as the reference's check does before it reads anything."""
         f = self._read()
         return f[0], f[1], f[2]
 
@@ -1230,6 +1273,13 @@ class TritonKernels:
             raise ValueError(
                 "page table must be an int32 [rows, positions] tensor, rows contiguous"
             )
+        # what the host knows is checked here; indices on the device are checked by the kernels
+        if any(n < 0 or n > pt.shape[1] for n in x.prefix_lens_host):
+            raise ValueError("kvguard: a request's prefix is out of range")
+        if x.write_batch is None and N > B:
+            raise ValueError("kvguard: a write is out of range (more writes than requests)")
+        if x.prefix_tokens is not None and x.prefix_tokens.numel() < x.read_tokens_total:
+            raise ValueError("kvguard: fewer prefix tokens than positions read")
         rows, wpos, wtok = (
             x.rows.contiguous(),
             x.write_pos.contiguous(),
@@ -1268,7 +1318,7 @@ class TritonKernels:
         if has_prefix and B:
             expc = self._grow("expc", max(T, 1))
             self._launch(_prefix_kernel, (B,), ws.meta, ws.mout, rows, wbatch, R.n_pages,
-                         R.chain_len, R.chain_tail, seeds, ptok, expc, B, N, nsteps_n, rev,
+                         R.chain_len, R.chain_tail, seeds, ptok, expc, B, N, R.gen.numel(), nsteps_n, rev,
                          HAS_WB=has_wb, HAS_SEEDS=has_seeds, BQ=256, **common)  # fmt: skip
         expc = self.expc
         if hashing:
@@ -1280,7 +1330,7 @@ class TritonKernels:
             self._launch(_hash_kernel, (nprog, G), self.kv.base, self.kv.tab, self.kv.consts,
                          self.kv.wmax, self.kv.nbuf, inner, units, G, rev, ws.meta, rows, pt,
                          pt.stride(0), R.n_pages, P.state, P.fill, B, max(T, 1), num_pages,
-                         cp.window_start, window_n, n_jobs_e, cp.sweep_start, nsteps_b,
+                         R.gen.numel(), cp.window_start, window_n, n_jobs_e, cp.sweep_start, nsteps_b,
                          ws.wflags, ws.targets, SEAL=False, HASH_ALL=hash_all,
                          HAS_PREFIX=has_prefix, CHECKSUMS=checksums, VERIFY_ALL=verify_all,
                          BT=bt, BWORD=self.kv.bword, **common)  # fmt: skip
@@ -1296,7 +1346,7 @@ class TritonKernels:
                      R.chain_tail, rows, ws_, wbatch, wpos, pt, pt.stride(0), seeds, ws.meta,
                      ws.mout, expc, inner, self.winner, ws.taint_u8, ws.rtaint, ws.marks,
                      ws.flags_out, nxt.taint_u8, nxt.reclaim_u8, nxt.rtaint, nxt.marks, B, N,
-                     T, num_pages, cp.window_start, window_n,
+                     T, num_pages, R.gen.numel(), cp.window_start, window_n,
                      cp.sweep_start, sweep_n, n_jobs_e, nsteps_b, nsteps_n, n_entry, n_req,
                      n_claim, n_sweep, rev, PSB=psb, BE=be, BR=br, BW=bw, BS=bs, MCAP=MCAP,
                      HAS_WB=has_wb, HAS_PREFIX=has_prefix, HAS_SEEDS=has_seeds, HASH=hashing,
@@ -1395,8 +1445,8 @@ class TritonKernels:
             G = self._groups(nprog)
             self._launch(_hash_kernel, (nprog, G), self.kv.base, self.kv.tab, self.kv.consts,
                          self.kv.wmax, self.kv.nbuf, inner, N, G, self.rev, ws.meta, s.rows,
-                         self.dummy, 0, self.dummy, P.state, P.fill, s.B, 1, P.state.numel(), 0,
-                         0, 0, 0, 1, ws.wflags, ws.targets, SEAL=True, HASH_ALL=False,
+                         self.dummy, 0, self.dummy, P.state, P.fill, s.B, 1, P.state.numel(), 1,
+                         0, 0, 0, 0, 1, ws.wflags, ws.targets, SEAL=True, HASH_ALL=False,
                          HAS_PREFIX=False, CHECKSUMS=True, VERIFY_ALL=False, BT=bt,
                          BWORD=self.kv.bword, PS=page_size)  # fmt: skip
         bw = 128
@@ -1461,7 +1511,7 @@ class TritonKernels:
         G = self.buffer_groups or max(1, min(kv.nbuf, _cdiv(4 * sms, nprog)))
         G = max(1, min(G, max(kv.nbuf, 1)))
         _hash_kernel[(nprog, G)](kv.base, kv.tab, kv.consts, kv.wmax, kv.nbuf, inner, n, G, 0,
-                                 z, z, z, 0, z, z, z, 0, 1, 1, 0, 0, 0, 0, 1, flags, targets,
+                                 z, z, z, 0, z, z, z, 0, 1, 1, 1, 0, 0, 0, 0, 1, flags, targets,
                                  SEAL=True, HASH_ALL=False, HAS_PREFIX=False, CHECKSUMS=True,
                                  VERIFY_ALL=False, BT=bt, BWORD=kv.bword, PS=1)  # fmt: skip
         _finish_digests_kernel[(_cdiv(n, 256),)](inner, positions.contiguous(), out, n, BLOCK=256)

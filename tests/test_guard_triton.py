@@ -65,7 +65,7 @@ def _case_ids() -> list[str]:
     ids = [f"{s}-{m}-ps{p}" for s, m, p in _SUBSET]
     ids += [f"reversed-{s}-{m}-ps{p}" for s, m, p in _ORDER_CASES]
     ids += [f"decode-{m}-ps{p}" for m, p in _DECODE_CASES]
-    return ids + ["alloc-release"]
+    return ids + ["alloc-release", "out-of-range"]
 
 
 # -- scenarios the library does not make ---------------------------------------------------------
@@ -185,7 +185,7 @@ def _decode_compare(mode: str, ps: int) -> str | None:
 
 
 def _alloc_release_compare() -> str | None:
-    """Hand-outs and frees with pages repeated in one call, in random order."""
+    """Hand-outs and frees with pages repeated in one call, and indices outside the pool."""
     from kvguard.kernels import guard_ref
     from kvguard.kernels.guard_state import PageArrays, RowArrays
     from kvguard.kernels.guard_triton import TritonKernels
@@ -197,7 +197,7 @@ def _alloc_release_compare() -> str | None:
         k = TritonKernels()
         k.bind(P_got, RowArrays.empty(4, "cpu"), [])
         for step in range(1, 40):
-            pages = torch.randint(0, num_pages, (24,), generator=g)
+            pages = torch.randint(-2, num_pages + 2, (24,), generator=g)  # a few outside the pool
             if step % 2:
                 slots = pages * ps + (torch.randint(0, 3, (24,), generator=g) == 0) * (ps > 1)
                 guard_ref.alloc_pages(P_ref, slots, ps, step)
@@ -210,6 +210,70 @@ def _alloc_release_compare() -> str | None:
             for a, b in zip(P_ref.tensors(), P_got.tensors()):
                 if not torch.equal(a, b):
                     return f"alloc/release ps{ps} step {step}: ledger differs"
+    return None
+
+
+def _out_of_range_compare(device: str = "cpu") -> str | None:
+    """A page table or write target outside the pool: the step is refused (ValueError when its
+    verdict is read: in the check on the CPU, at resolve on a GPU), nothing outside the pool is
+    read, no transition is applied, every write goes to the padding slot, and the steps after
+    it match the reference's."""
+    from guard_scenarios import _decode, _two
+
+    from kvguard.bench.synthetic_pool import SyntheticPool
+    from kvguard.kernels.guard_triton import TritonKernels
+
+    for corrupt in ("table", "write", "negative"):
+        pools = []
+        for kernels, dev in (("torch", "cpu"), (TritonKernels(), device)):
+            pool = SyntheticPool(page_size=16, num_pages=64, mode="paranoid", kernels=kernels,
+                                 device=dev)  # fmt: skip
+            a, b = _two(pool)
+            pool.trace = []
+            before = [t.clone() for t in pool.guard.ledger.pages.tensors()]
+            kv = [buf[1:].clone() for buf in pool.bufs]  # slot 0 is the padding slot
+            views = []
+            honest = pool.guard.before_forward
+
+            def capture(view: Any, honest: Any = honest, views: list[Any] = views) -> Any:
+                views.append(view)
+                return honest(view)
+
+            pool.guard.before_forward = capture
+            kept = pool.table[a.row, 3].clone(), pool.table[b.row, 0].clone()
+            try:
+                if corrupt == "table":
+                    pool.table[a.row, 3] = 10**6
+                    pool.forward([a, b], 1)
+                elif corrupt == "write":
+                    pool.forward([a, b], 1, redirect={(a.rid, a.length): 10**7})
+                else:
+                    pool.table[b.row, 0] = -5
+                    pool.forward([a, b], 1)
+            except ValueError as exc:
+                if "out of range" not in str(exc) and "outside the pool" not in str(exc):
+                    return f"{corrupt}: {exc}"
+            else:
+                return f"{corrupt} ({kernels}): the step was not refused"
+            pool.guard.before_forward = honest
+            pool.table[a.row, 3], pool.table[b.row, 0] = kept
+            del pool.trace[:]  # a GPU pool recorded the refused step before its verdict was read
+            for t, was in zip(pool.guard.ledger.pages.tensors(), before):
+                if not torch.equal(t.cpu(), was.cpu()):
+                    return f"{corrupt} ({kernels}): the refused step changed the ledger"
+            for buf, was in zip(pool.bufs, kv):
+                if not torch.equal(buf[1:].cpu(), was.cpu()):
+                    return f"{corrupt} ({kernels}): KV outside the padding slot changed"
+            if kernels != "torch" and bool((views[-1].write_slots != 0).any()):
+                return f"{corrupt}: a write of the refused step was not sent to the padding slot"
+            _decode(pool, [b], steps=3)
+            pools.append(pool)
+        for p in pools:  # the padding slot's bytes are no one's
+            for t in p.trace:
+                t.pop("kv")
+        problem = _differences(pools[0], pools[1], f"after a refused step ({corrupt})")
+        if problem:
+            return problem
     return None
 
 
@@ -228,6 +292,7 @@ def _run_interpreted() -> None:
     for m, p in _DECODE_CASES:
         jobs.append((f"decode-{m}-ps{p}", lambda m=m, p=p: _decode_compare(m, p)))
     jobs.append(("alloc-release", _alloc_release_compare))
+    jobs.append(("out-of-range", _out_of_range_compare))
     for name, job in jobs:
         try:
             problem = job()
@@ -286,6 +351,52 @@ def test_local_scenarios_make_their_violation():
         assert pool.flagged() == victims, (scenario, ps)
 
 
+def test_decode_kernels_compile_for_hopper(monkeypatch: pytest.MonkeyPatch):
+    """Without a GPU: every kernel a decode step launches (tags, sampled, paranoid; no write
+    batch, as bench.step and SGLang's decode) compiles for sm_90, as the GPU would compile it.
+    The interpreter checks what the kernels compute; this checks that they compile."""
+    triton = pytest.importorskip("triton")
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    from triton.runtime.jit import mangle_type
+
+    from kvguard.bench.step import DecodeBench
+    from kvguard.kernels import guard_triton
+
+    if guard_triton._interpreting():
+        pytest.skip("TRITON_INTERPRET is set in this process")
+    if "nvidia" not in triton.backends.backends:
+        pytest.skip("this Triton has no NVIDIA backend")
+    variants: dict[tuple[Any, ...], tuple[Any, dict[str, Any], dict[str, Any]]] = {}
+
+    def record(self: Any, kernel: Any, grid: Any, *args: Any, **meta: Any) -> None:
+        vals = dict(zip(kernel.arg_names, args), **meta)
+        sig, consts = {}, {}
+        for i, name in enumerate(kernel.arg_names):
+            if i in kernel.constexprs:
+                sig[name], consts[name] = "constexpr", vals[name]
+            else:
+                sig[name] = mangle_type(vals[name])
+        key = (kernel.fn.__name__, tuple(sig.values()), tuple(sorted(consts.items())))
+        variants.setdefault(key, (kernel, sig, consts))
+
+    monkeypatch.setattr(guard_triton, "_interpreting", lambda: True)  # bind a CPU pool
+    monkeypatch.setattr(guard_triton.TritonKernels, "_launch", record)
+    for mode in ("tags", "sampled", "paranoid"):
+        bench = DecodeBench(mode, 2, 20, 20, 16, kernels=guard_triton.TritonKernels(),  # type: ignore[arg-type]
+                            row_bytes=128, buffers=4)  # fmt: skip
+        bench.guard.on_rows_allocated(bench.rows)
+        for pos in (31, 32):  # 32 starts a page: an allocation event
+            bench.forward(pos, 1)  # the kernels do not run: nothing is found
+    names = {k[0] for k in variants}
+    assert {"_read_kernel", "_write_kernel", "_apply_kernel", "_seal_kernel", "_alloc_kernel",
+            "_hash_kernel"} <= names, names  # fmt: skip
+    target = GPUTarget("cuda", 90, 32)
+    for (name, _, consts), (kernel, sig, c) in variants.items():
+        compiled = triton.compile(ASTSource(kernel, sig, c), target=target)
+        assert compiled.asm.get("cubin"), (name, consts)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("ps", [1, 16, 64])
 @pytest.mark.parametrize("mode", ["tags", "sampled", "paranoid"])
@@ -301,6 +412,12 @@ def test_compiled_kernels_match_the_reference_on_cuda(mode: str, ps: int):
         for kw in ({}, {"reverse_programs": True, "buffer_groups": 3}):
             problem = _compare(scenario, mode, ps, device="cuda", **kw)
             assert problem is None, f"{problem} ({kw or 'default launch'})"
+
+
+@pytest.mark.gpu
+def test_compiled_kernels_refuse_out_of_range_steps_on_cuda():
+    sys.path.insert(0, str(HERE))
+    assert _out_of_range_compare("cuda") is None
 
 
 @pytest.mark.gpu
