@@ -24,11 +24,13 @@ Launches per step (each one grid; sizes come from host ints already in ``StepInp
 * ``seal_step``: one in tags mode (``_seal_kernel``: fill), two with checksums (``_hash_kernel``
   over the landed writes, then ``_seal_kernel`` adds their digests).
 
-A decode step dispatches 6 launches + 1 copy in tags mode, 8 + 1 with checksums. The verdict's
-flags (any request flagged, any page tainted, any to reclaim, tokens hashed) are written by the
-kernels straight into pinned host memory where the device can map it (checked once at bind;
-otherwise one small copy when read), so ``StepCheck.flags()`` after the engine's own sync costs
-no dispatch.
+A decode step launches 4 kernels in tags mode and 6 with checksums (one more on a step that
+allocates a page), plus the one copy of its metadata: with the guard's own operators around
+them (its epoch snapshot: 8) that is 13-15 dispatches in tags and 15-17 in sampled and paranoid,
+at any batch size and context (``tests/test_guard_triton.py``). The verdict's flags (any request
+flagged, any page tainted, any to reclaim, refused, tokens hashed) are written by the kernels
+straight into pinned host memory where the device can map it (checked once at bind; otherwise
+one small copy when read), so ``StepCheck.flags()`` after the engine's own sync costs nothing.
 
 State the backend keeps (``workspace_bytes``): per pool page 4 int32 scratch words (claim winner,
 last landing write, highest landed offset, allocation stamp: all back at rest after each step)
@@ -1230,8 +1232,8 @@ class TritonKernels:
 
     def _grow(self, name: str, n: int) -> torch.Tensor:
         t: torch.Tensor = getattr(self, name)
-        if t.numel() < n:
-            t = torch.zeros(max(n, 2 * t.numel()), dtype=t.dtype, device=t.device)
+        if t.numel() < n:  # with headroom: the next steps (one token longer) do not grow it
+            t = torch.zeros(max(2 * n, 2 * t.numel()), dtype=t.dtype, device=t.device)
             setattr(self, name, t)
         return t
 
@@ -1464,7 +1466,7 @@ class TritonKernels:
         if self._stamp >= _BIG32:  # a stamp must never repeat while a page holds it
             self.stamps.zero_()
             self._stamp = 1
-        s = slots.reshape(-1).contiguous()
+        s = slots if slots.dim() == 1 and slots.is_contiguous() else slots.reshape(-1).contiguous()
         block = 256
         self._launch(_alloc_kernel, (_cdiv(n, block),), s, n, self.stamps, self._stamp,
                      P.state, P.prior, P.history, P.state.numel(), step, PS=page_size,
@@ -1479,7 +1481,7 @@ class TritonKernels:
         double = torch.zeros(n, dtype=torch.bool, device=P.state.device)
         if n == 0:
             return keep, double
-        p = pages.reshape(-1).contiguous()
+        p = pages if pages.dim() == 1 and pages.is_contiguous() else pages.reshape(-1).contiguous()
         block = 256
         grid = (_cdiv(n, block),)
         num_pages = P.state.numel()

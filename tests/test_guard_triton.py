@@ -397,6 +397,51 @@ def test_decode_kernels_compile_for_hopper(monkeypatch: pytest.MonkeyPatch):
         assert compiled.asm.get("cubin"), (name, consts)
 
 
+@pytest.mark.parametrize("ps", [1, 16])
+@pytest.mark.parametrize("mode", ["tags", "sampled", "paranoid"])
+def test_decode_dispatches_are_few_and_flat(monkeypatch: pytest.MonkeyPatch, mode: str, ps: int):
+    """A decode step on a GPU pool dispatches at most 16 (tags) or 24 (sampled, paranoid)
+    kernels and torch operators, the same number at any batch size and context: the launches
+    (counted, not run) plus the aten operators the guard and the backend run around them (the
+    profiler, with the guard's GPU-pool path) plus the one host-to-device copy of the step's
+    metadata, which only a CUDA pool makes."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from kvguard.bench.step import DecodeBench
+    from kvguard.kernels import guard_triton
+
+    if guard_triton._interpreting():
+        pytest.skip("TRITON_INTERPRET is set in this process")
+
+    def count(self: Any, kernel: Any, grid: Any, *args: Any, **meta: Any) -> None:
+        self.launches += 1
+
+    monkeypatch.setattr(guard_triton, "_interpreting", lambda: True)  # bind a CPU pool
+    monkeypatch.setattr(guard_triton.TritonKernels, "_launch", count)
+    seen = set()
+    for batch, prompt in ((2, 8 * ps), (24, 300)):
+        bench = DecodeBench(mode, batch, prompt, 64, ps, kernels=guard_triton.TritonKernels())  # type: ignore[arg-type]
+        bench.guard.host_reads_free = False  # as on a GPU pool
+        bench.guard.on_rows_allocated(bench.rows)
+        pos = prompt + (ps - prompt % ps) % ps  # starts a page: this step allocates
+        bench.forward(pos - 1, 1)
+        for p in (pos, pos + 1):
+            l0 = bench.guard.kernels.launches
+            with profile(activities=[ProfilerActivity.CPU]) as prof:
+                bench.forward_timed_only(p)
+            events = prof.events()
+            step = next(e for e in events if e.name == "guard_step").time_range
+            aten = sum(
+                1
+                for e in events
+                if e.name.startswith("aten::") and step.start <= e.time_range.start <= step.end
+            )
+            seen.add((p == pos, bench.guard.kernels.launches - l0 + aten + 1))
+    by_alloc = {alloc for alloc, _ in seen}
+    assert len(seen) == len(by_alloc), seen  # flat: one count per kind of step
+    assert max(n for _, n in seen) <= (16 if mode == "tags" else 24), seen
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("ps", [1, 16, 64])
 @pytest.mark.parametrize("mode", ["tags", "sampled", "paranoid"])
