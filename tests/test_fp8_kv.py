@@ -371,15 +371,18 @@ def mla_hooked(sgl, hooked, monkeypatch):
 
 
 def _apply_mla_write_hook(sgl, rows, monkeypatch):
+    import inspect
+
     for target, hook_type, hook_path, _why in rows:
         if not hook_path.startswith("cpu_fp8_kv.") or "load_kv_cache_scales" in target:
             continue
         owner_path, attr = target.rsplit(".", 1)
         owner = sgl.pkgutil.resolve_name(owner_path)
         hook = getattr(cpu_fp8_kv, hook_path.split(".", 1)[1])
-        monkeypatch.setattr(
-            owner, attr, sgl._wrap_fn(getattr(owner, attr), hook, sgl.HookType[hook_type])
-        )
+        # SGLang's own function, even where an engine started in this process already applied
+        # the plugin's hooks (a scale applied twice would divide twice)
+        original = inspect.unwrap(getattr(owner, attr))
+        monkeypatch.setattr(owner, attr, sgl._wrap_fn(original, hook, sgl.HookType[hook_type]))
     yield
 
 
