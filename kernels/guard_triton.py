@@ -231,23 +231,43 @@ def _mark(marks, page, mask, MCAP: tl.constexpr):
 
 @triton.jit
 def _token_inner(kv_base, kv_tab, kv_consts, wmax, nbuf, slot, mask, g, G, BT: tl.constexpr,
-                 BWORD: tl.constexpr):  # fmt: skip
+                 BWORD: tl.constexpr, WCONST: tl.constexpr, ALIGN: tl.constexpr):  # fmt: skip
     """Partial inner sums of tokens at ``slot`` over buffers g, g + G, ...: [BT] uint64.
-    kv_tab[b] = (word offset of buffer b from buffer 0, words per row, row stride in words)."""
-    acc = tl.full([BT, BWORD], 0, tl.uint64)
+    kv_tab[b] = (word offset of buffer b from buffer 0, words per row, row stride in words).
+    Each word w times its odd constant C = lo + hi * 2**32 is summed as w * lo (one widening
+    32-bit multiply) plus (w * hi mod 2**32) * 2**32: the same value mod 2**64. WCONST: every
+    row has this many words, a multiple of BWORD (unmasked, vectorizable word loads); ALIGN:
+    rows start at multiples of this many words."""
+    lo_acc = tl.full([BT, BWORD], 0, tl.uint64)
+    hi_acc = tl.full([BT, BWORD], 0, tl.uint32)
     cols = tl.arange(0, BWORD)
     for bi in range(g, nbuf, G):
         off = tl.load(kv_tab + bi * 3)
-        w = tl.load(kv_tab + bi * 3 + 1)
         stride = tl.load(kv_tab + bi * 3 + 2)
-        row = kv_base + off + slot * stride
-        for w0 in range(0, w, BWORD):
-            cw = w0 + cols
-            mw = cw < w
-            c = tl.load(kv_consts + bi * wmax + cw, mask=mw, other=0).to(tl.uint64, bitcast=True)
-            x = tl.load(row[:, None] + cw[None, :], mask=mask[:, None] & mw[None, :], other=0)
-            acc += x.to(tl.uint32, bitcast=True).to(tl.uint64) * c[None, :]
-    return _sum(acc, axis=1)
+        start = off + slot * stride
+        if ALIGN > 1:
+            start = tl.multiple_of(start, ALIGN)
+        row = kv_base + start
+        if WCONST > 0:
+            for w0 in range(0, WCONST, BWORD):
+                cw = w0 + cols
+                c = tl.load(kv_consts + bi * wmax + cw).to(tl.uint64, bitcast=True)
+                x = tl.load(row[:, None] + cw[None, :], mask=mask[:, None], other=0)
+                x = x.to(tl.uint32, bitcast=True)
+                lo_acc += x.to(tl.uint64) * (c & 0xFFFFFFFF)[None, :]
+                hi_acc += x * (c >> 32).to(tl.uint32)[None, :]
+        else:
+            w = tl.load(kv_tab + bi * 3 + 1)
+            for w0 in range(0, w, BWORD):
+                cw = w0 + cols
+                mw = cw < w
+                c = tl.load(kv_consts + bi * wmax + cw, mask=mw, other=0)
+                c = c.to(tl.uint64, bitcast=True)
+                x = tl.load(row[:, None] + cw[None, :], mask=mask[:, None] & mw[None, :], other=0)
+                x = x.to(tl.uint32, bitcast=True)
+                lo_acc += x.to(tl.uint64) * (c & 0xFFFFFFFF)[None, :]
+                hi_acc += x * (c >> 32).to(tl.uint32)[None, :]
+    return _sum(lo_acc, axis=1) + (_sum(hi_acc, axis=1).to(tl.uint64) << 32)
 
 
 @triton.jit
@@ -424,7 +444,8 @@ def _hash_kernel(kv_base, kv_tab, kv_consts, wmax, nbuf, inner, n_units, G, REV,
                  wflags, targets,
                  SEAL: tl.constexpr, PS: tl.constexpr, HASH_ALL: tl.constexpr,
                  HAS_PREFIX: tl.constexpr, CHECKSUMS: tl.constexpr, VERIFY_ALL: tl.constexpr,
-                 BT: tl.constexpr, BWORD: tl.constexpr):  # fmt: skip
+                 BT: tl.constexpr, BWORD: tl.constexpr, WCONST: tl.constexpr,
+                 ALIGN: tl.constexpr):  # fmt: skip
     pid = tl.program_id(0)
     g = tl.program_id(1)
     if REV:
@@ -468,7 +489,8 @@ def _hash_kernel(kv_base, kv_tab, kv_consts, wmax, nbuf, inner, n_units, G, REV,
         fill = tl.where(is_e, efill, sfill)
         mt = (he | hs) & (o < fill)
         slot = page * PS + o
-    part = _token_inner(kv_base, kv_tab, kv_consts, wmax, nbuf, slot, mt, g, G, BT, BWORD)
+    part = _token_inner(kv_base, kv_tab, kv_consts, wmax, nbuf, slot, mt, g, G, BT, BWORD, WCONST,
+                        ALIGN)  # fmt: skip
     if G > 1:
         tl.atomic_add(inner + u, _s64(part), mask=mt)
     else:
@@ -994,7 +1016,17 @@ class _KvTables:
             tab = [[0, 0, 0]]
         self.tab = torch.tensor(tab, dtype=_I64).to(device)
         self.consts = word_constants(max(self.nbuf, 1), max(self.wmax, 1), device).contiguous()
-        self.bword = min(128, _pow2(max(self.wmax, 1)))
+        widths = {v.shape[1] for v in views}
+        w = widths.pop() if len(widths) == 1 else 0
+        even = w & -w  # the largest power of two dividing a common row width
+        if w and even >= 16:  # every row the same width: whole tiles, no word mask
+            self.bword, self.wconst = min(128, even), w
+        else:
+            self.bword, self.wconst = min(128, _pow2(max(self.wmax, 1))), 0
+        words = [t for row in tab for t in (row[0], row[2])] if views else [0]
+        aligned = views and views[0].data_ptr() % 16 == 0 and all(t % 4 == 0 for t in words)
+        self.align = 4 if aligned else 1
+        self.meta = dict(BWORD=self.bword, WCONST=self.wconst, ALIGN=self.align)
 
 
 class _Workspace:
@@ -1144,12 +1176,21 @@ class _Step:
 class TritonKernels:
     name = "triton"
 
-    def __init__(self, buffer_groups: int | None = None, reverse_programs: bool = False):
+    def __init__(
+        self,
+        buffer_groups: int | None = None,
+        reverse_programs: bool = False,
+        block_tokens: int = 32,
+    ):
         """``buffer_groups``: split each token's KV sum over this many programs (default: enough
-        programs to fill the device). ``reverse_programs``: run every grid's programs in reverse
-        order (tests: the interpreter runs programs in order, so a result that depends on the
-        order shows up as a difference between the two runs)."""
+        programs to fill the device). ``block_tokens``: tokens per checksum program (a power of
+        two; a tuning knob). ``reverse_programs``: run every grid's programs in reverse order
+        (tests: the interpreter runs programs in order, so a result that depends on the order
+        shows up as a difference between the two runs)."""
+        if block_tokens < 1 or block_tokens & (block_tokens - 1):
+            raise ValueError("block_tokens must be a power of two")
         self.buffer_groups = buffer_groups
+        self.block_tokens = block_tokens
         self.rev = int(reverse_programs)
         self.launches = 0  # kernels enqueued since creation (bench.step counts dispatches)
         self._P: PageArrays | None = None
@@ -1326,7 +1367,7 @@ class TritonKernels:
         if hashing:
             units = (n_jobs_e + sweep_n) * ps
             inner = self._grow("inner", units)
-            bt = 32
+            bt = self.block_tokens
             nprog = _cdiv(units, bt)
             G = self._groups(nprog)
             self._launch(_hash_kernel, (nprog, G), self.kv.base, self.kv.tab, self.kv.consts,
@@ -1335,7 +1376,7 @@ class TritonKernels:
                          R.gen.numel(), cp.window_start, window_n, n_jobs_e, cp.sweep_start, nsteps_b,
                          ws.wflags, ws.targets, SEAL=False, HASH_ALL=hash_all,
                          HAS_PREFIX=has_prefix, CHECKSUMS=checksums, VERIFY_ALL=verify_all,
-                         BT=bt, BWORD=self.kv.bword, **common)  # fmt: skip
+                         BT=bt, **self.kv.meta, **common)  # fmt: skip
         inner = self.inner
         bw, br, bs = 128, 128, 64
         n_entry = _cdiv(T, be)
@@ -1442,7 +1483,7 @@ class TritonKernels:
         checksums = checksums and self.kv.nbuf > 0
         if checksums:
             inner = self._grow("inner", N)
-            bt = 32
+            bt = self.block_tokens
             nprog = _cdiv(N, bt)
             G = self._groups(nprog)
             self._launch(_hash_kernel, (nprog, G), self.kv.base, self.kv.tab, self.kv.consts,
@@ -1450,7 +1491,7 @@ class TritonKernels:
                          self.dummy, 0, self.dummy, P.state, P.fill, s.B, 1, P.state.numel(), 1,
                          0, 0, 0, 0, 1, ws.wflags, ws.targets, SEAL=True, HASH_ALL=False,
                          HAS_PREFIX=False, CHECKSUMS=True, VERIFY_ALL=False, BT=bt,
-                         BWORD=self.kv.bword, PS=page_size)  # fmt: skip
+                         PS=page_size, **self.kv.meta)  # fmt: skip
         bw = 128
         self._launch(_seal_kernel, (_cdiv(N, bw),), P.fill, P.digest, s.wpos, self.inner,
                      self.top, ws.targets, ws.wflags, N, self.rev, PS=page_size, BW=bw,
@@ -1505,7 +1546,7 @@ class TritonKernels:
         flags = torch.ones(n, dtype=torch.int8, device=dev)
         targets = slots.to(_I64).contiguous()
         z = torch.zeros(1, dtype=_I64, device=dev)
-        bt = 32
+        bt = self.block_tokens
         nprog = _cdiv(n, bt)
         sms = (
             torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" else 1
@@ -1515,7 +1556,7 @@ class TritonKernels:
         _hash_kernel[(nprog, G)](kv.base, kv.tab, kv.consts, kv.wmax, kv.nbuf, inner, n, G, 0,
                                  z, z, z, 0, z, z, z, 0, 1, 1, 1, 0, 0, 0, 0, 1, flags, targets,
                                  SEAL=True, HASH_ALL=False, HAS_PREFIX=False, CHECKSUMS=True,
-                                 VERIFY_ALL=False, BT=bt, BWORD=kv.bword, PS=1)  # fmt: skip
+                                 VERIFY_ALL=False, BT=bt, PS=1, **kv.meta)  # fmt: skip
         _finish_digests_kernel[(_cdiv(n, 256),)](inner, positions.contiguous(), out, n, BLOCK=256)
         return out
 

@@ -65,7 +65,7 @@ def _case_ids() -> list[str]:
     ids = [f"{s}-{m}-ps{p}" for s, m, p in _SUBSET]
     ids += [f"reversed-{s}-{m}-ps{p}" for s, m, p in _ORDER_CASES]
     ids += [f"decode-{m}-ps{p}" for m, p in _DECODE_CASES]
-    return ids + ["alloc-release", "out-of-range"]
+    return ids + ["alloc-release", "out-of-range", "checksum"]
 
 
 # -- scenarios the library does not make ---------------------------------------------------------
@@ -277,6 +277,39 @@ def _out_of_range_compare(device: str = "cpu") -> str | None:
     return None
 
 
+def _checksum_compare() -> str | None:
+    """The fused checksum (every buffer in one launch) against kv_checksum_ref: rows of one width
+    (whole tiles: FP8 MHA heads, an MLA latent row) and of mixed widths, dtypes and strides."""
+    from kvguard.kernels.guard_triton import TritonKernels, _KvTables
+    from kvguard.kernels.kv_checksum_ref import token_digests_ref
+
+    g = torch.Generator().manual_seed(7)
+    n = 40
+    wide = torch.randn(n, 4, 8, generator=g).to(torch.bfloat16)
+    pools = {
+        "fp8 heads": [torch.randint(0, 255, (n, 2, 32), dtype=torch.uint8, generator=g)
+                      for _ in range(4)],
+        "mla latent": [torch.randn(n, 1, 576, generator=g).to(torch.bfloat16)],
+        "mixed": [torch.randn(n, 2, 8, generator=g).to(torch.bfloat16),
+                  torch.randn(n, 3, 4, generator=g).to(torch.float16),
+                  torch.randint(0, 255, (n, 2, 6), dtype=torch.uint8, generator=g),
+                  wide[:, :2],  # a strided view: slot stride larger than the row
+                  torch.randn(n, 1, 5, generator=g)],
+    }  # fmt: skip
+    slots = torch.randint(0, n, (45,), generator=g)
+    pos = torch.randint(0, 2**31 - 1, (45,), generator=g)
+    for name, bufs in pools.items():
+        want = token_digests_ref(bufs, slots, pos)
+        kv = _KvTables(bufs, torch.device("cpu"))
+        if (kv.wconst > 0) != (name != "mixed"):
+            return f"{name}: row tiles {kv.meta}"
+        for groups in (1, 3):
+            got = TritonKernels(buffer_groups=groups).token_digests(bufs, slots, pos)
+            if not torch.equal(got, want):
+                return f"checksum {name}, {groups} buffer groups: digests differ"
+    return None
+
+
 def _run_interpreted() -> None:
     """The subprocess: each case, one JSON line."""
     assert os.environ.get("TRITON_INTERPRET") == "1"
@@ -293,6 +326,7 @@ def _run_interpreted() -> None:
         jobs.append((f"decode-{m}-ps{p}", lambda m=m, p=p: _decode_compare(m, p)))
     jobs.append(("alloc-release", _alloc_release_compare))
     jobs.append(("out-of-range", _out_of_range_compare))
+    jobs.append(("checksum", _checksum_compare))
     for name, job in jobs:
         try:
             problem = job()
