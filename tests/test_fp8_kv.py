@@ -188,7 +188,7 @@ def test_scales_matter_for_large_activations(sgl, hooked):
     q, k, v = _qkv(n + 1, magnitude=2000.0, seed=1)
     ks, vs = float(k.abs().max()) / 448, float(v.abs().max()) / 448
     _pool, backend, layer, slots = _setup(sgl, n, k_scale=ks, v_scale=vs)
-    o_ext, o_dec = _run(sgl, backend, layer, slots, q * 0.001, k, v, n)
+    o_ext, _o_dec = _run(sgl, backend, layer, slots, q * 0.001, k, v, n)
     exact = _reference(q[:n] * 0.001, k[:n].float(), v[:n].float(), layer.scaling)
     rel = (o_ext.float() - exact).norm() / exact.norm()
     assert float(rel) < 0.1
@@ -201,7 +201,7 @@ def test_hooks_leave_other_pools_alone(sgl, hooked):
     n = 5
     pool, backend, layer, slots = _setup(sgl, n, register=False, k_scale=0.5, v_scale=0.5)
     q, k, v = _qkv(n + 1)
-    o_ext, _ = _run(sgl, backend, layer, slots, q, k, v, n)
+    _run(sgl, backend, layer, slots, q, k, v, n)
     # SGLang's own behaviour: no scales passed, plain cast on write and read
     assert torch.equal(
         pool.k_buffer[0][slots].view(torch.uint8), k.to(torch.float8_e4m3fn).view(torch.uint8)
@@ -228,7 +228,7 @@ def test_batched_read_bit_identical_to_sglang_cast(sgl, hooked):
     batch of requests with different lengths and page-table rows (decode and extend)."""
     outs = []
     for register in (True, False):
-        pool, backend, layer, _ = _setup(sgl, 0, register=register)
+        _pool, backend, layer, _ = _setup(sgl, 0, register=register)
         rtt = backend.req_to_token_pool
         lens = [7, 3, 12]
         g = torch.Generator().manual_seed(4)
@@ -330,9 +330,11 @@ def test_amx_gate_lifted_once_and_restored():
         assert kvc.cpu_has_amx_support() is False  # every later call: the truth
         assert kvc.attention_backends() == ("torch_native",)
     assert kvc.cpu_has_amx_support is real_amx and kvc.attention_backends is real_backends
-    with pytest.raises(cpu_fp8_kv.FP8KVConfigError, match="changed shape"):
-        with cpu_fp8_kv._amx_gate_lifted(kvc):
-            pass  # a configure() that no longer consults the gate
+    with (
+        pytest.raises(cpu_fp8_kv.FP8KVConfigError, match="changed shape"),
+        cpu_fp8_kv._amx_gate_lifted(kvc),
+    ):
+        pass  # a configure() that no longer consults the gate
     assert kvc.cpu_has_amx_support is real_amx
 
 
