@@ -8,6 +8,8 @@ tiny trained Kimi model (serve/kimi_model/).
 * FP8 MLA KV in paranoid mode: ``kvguard-serve --embedded-model kimi --kvguard-mode paranoid``
   (FP8 KV is its default) answers every request, its metrics count the checked steps and
   0 violations, and its greedy output stays close to BF16.
+* Any MLA checkpoint: one without rope scaling serves HF-equal too; the two dispatch hooks
+  change torch_native and non-YaRN ropes only.
 * ``kvguard-serve --embedded-model kimi`` at its defaults (guard sampled, FP8 KV) starts and answers.
 * Start-up errors for DeepSeek configs SGLang cannot read, in one line.
 """
@@ -68,6 +70,56 @@ def test_greedy_equals_transformers(model, ids, hf_fp32, page_size):
     got = [o["output_ids"] for o in first]
     assert got == hf_fp32
     assert [o["output_ids"] for o in again] == got[:2]
+
+
+@pytest.mark.engine
+def test_plain_rope_checkpoint_equals_transformers(tmp_path, model, ids):
+    """An MLA checkpoint without rope scaling (plain RoPE): SGLang's CPU rope factory asserts
+    DeepSeek YaRN; served through the generic rope (patches/mla_cpu.py), still HF-equal."""
+    ckpt = tmp_path / "plain-rope"
+    shutil.copytree(model, ckpt)
+    cfg = json.loads((ckpt / "config.json").read_text())
+    cfg["rope_scaling"] = None
+    (ckpt / "config.json").write_text(json.dumps(cfg))
+    with sglang_engine(ckpt, guard_mode="sampled", dtype="float32", kv_cache_dtype="auto") as e:
+        got = [o["output_ids"] for o in sglang_greedy(e, ids[:2], N_NEW)]
+    assert got == hf_greedy(ckpt, ids[:2], N_NEW, dtype=torch.float32)
+
+
+def test_torch_native_gets_the_absorbed_mla_method():
+    from sglang.srt.models.deepseek_common import attention_backend_handler as h
+
+    from kvguard.patches import mla_cpu
+
+    registry = h.AttentionBackendRegistry
+    original = registry.get_handler.__func__
+    original = getattr(original, "__wrapped__", original)  # SGLang's, hooked or not
+    assert original(registry, "torch_native") is h.handle_attention_triton  # the bug: Triton's
+    assert mla_cpu.around_get_handler(original, registry, "torch_native") is h._dispatch_mla_subtype
+    for name in ("triton", "flashinfer", "fa3"):
+        assert mla_cpu.around_get_handler(original, registry, name) is original(registry, name)
+
+
+def test_cpu_rope_without_yarn():
+    from sglang.srt.layers.rotary_embedding import factory
+
+    from kvguard.patches import mla_cpu
+
+    original = getattr(factory.get_rope_cpu, "__wrapped__", factory.get_rope_cpu)
+    with pytest.raises(AssertionError):
+        original(16, 16, 2048, 10000, False, None, torch.float32, 1.0, "cpu")
+    rope = mla_cpu.around_get_rope_cpu(
+        original, 16, 16, 2048, 10000, False, None, torch.float32, 1.0, "cpu"
+    )
+    q, k = torch.randn(3, 4 * 16), torch.randn(3, 16)
+    q2, _k2 = rope.forward_native(torch.arange(3), q.clone(), k.clone())
+    assert q2.shape == q.shape and torch.equal(q2[0], q[0])  # position 0: no rotation
+    assert not torch.equal(q2[1], q[1])
+    yarn = {"rope_type": "deepseek_yarn", "factor": 4.0, "original_max_position_embeddings": 512}
+    kept = mla_cpu.around_get_rope_cpu(
+        original, 16, 16, 2048, 10000, False, yarn, torch.float32, 1.0, "cpu"
+    )
+    assert type(kept).__name__ == "DeepseekScalingRotaryEmbedding"  # SGLang's own CPU rope
 
 
 def _generate(srv, ids, n: int) -> list[dict]:
