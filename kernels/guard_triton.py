@@ -116,6 +116,12 @@ _CB = tl.constexpr(1024)  # pages cleared per iteration
 # mypy: disable-error-code="untyped-decorator,no-untyped-def"
 
 
+def _dyn(*names: str) -> list[str]:
+    """Arguments that change from step to step: never specialized (Triton compiles a variant for
+    an integer equal to 1 or divisible by 16; a serving step must not trigger a compile)."""
+    return list(names)
+
+
 # Reductions and zeros through the builtins they wrap (triton.language's own wrappers are jitted
 # functions, which the interpreter re-patches at every call; compiled, both are the same code).
 @triton.jit
@@ -299,7 +305,7 @@ def _hash_pred(e, m, i, n0, fill, T, window_start, window_n, HAS_PREFIX: tl.cons
 
 
 # -- on_alloc --------------------------------------------------------------------------------------
-@triton.jit
+@triton.jit(do_not_specialize=_dyn("n", "stamp", "num_pages", "step"))
 def _alloc_kernel(slots, n, stamps, stamp, p_state, p_prior, p_hist, num_pages, step,
                   PS: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
     t = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
@@ -325,7 +331,7 @@ def _alloc_kernel(slots, n, stamps, stamp, p_state, p_prior, p_hist, num_pages, 
 
 
 # -- release_pages (two launches: first occurrence is the lowest index) ---------------------------
-@triton.jit
+@triton.jit(do_not_specialize=_dyn("n", "num_pages"))
 def _release_scatter_kernel(pages, n, winner, num_pages, BLOCK: tl.constexpr):
     t = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     m = t < n
@@ -334,7 +340,7 @@ def _release_scatter_kernel(pages, n, winner, num_pages, BLOCK: tl.constexpr):
     tl.atomic_min(winner + p, t.to(tl.int32), mask=ok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=_dyn("n", "num_pages", "step"))
 def _release_kernel(pages, n, winner, keep, double, p_state, p_prior, p_hist, num_pages, step,
                     BLOCK: tl.constexpr):  # fmt: skip
     t = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
@@ -422,7 +428,7 @@ def _row_results(b, mb, meta, mout, rows, wbatch, r_npages, r_clen, r_ctail, see
     tl.atomic_or(rec + 3, bits, mask=mb & (bits != 0))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=_dyn("B", "N", "num_rows", "nsteps_n", "REV"))
 def _prefix_kernel(meta, mout, rows, wbatch, r_npages, r_clen, r_ctail, seeds, ptok, expc, B, N,
                    num_rows, nsteps_n, REV, PS: tl.constexpr, HAS_WB: tl.constexpr,
                    HAS_SEEDS: tl.constexpr, BQ: tl.constexpr):  # fmt: skip
@@ -435,7 +441,25 @@ def _prefix_kernel(meta, mout, rows, wbatch, r_npages, r_clen, r_ctail, seeds, p
 
 
 # -- check and seal: partial KV sums of hashed tokens ---------------------------------------------
-@triton.jit
+@triton.jit(
+    do_not_specialize=_dyn(
+        "wmax",
+        "nbuf",
+        "n_units",
+        "G",
+        "REV",
+        "pt_stride",
+        "B",
+        "T",
+        "num_pages",
+        "num_rows",
+        "window_start",
+        "window_n",
+        "n_jobs_e",
+        "sweep_start",
+        "nsteps_b",
+    )
+)
 def _hash_kernel(kv_base, kv_tab, kv_consts, wmax, nbuf, inner, n_units, G, REV,
                  # read entries and sweep (check) ...
                  meta, rows, pt, pt_stride, r_npages, p_state, p_fill, B, T, num_pages, num_rows,
@@ -498,7 +522,28 @@ def _hash_kernel(kv_base, kv_tab, kv_consts, wmax, nbuf, inner, n_units, G, REV,
 
 
 # -- check: reads, row checks, claims, sweep, clearing ---------------------------------------------
-@triton.jit
+@triton.jit(
+    do_not_specialize=_dyn(
+        "pt_stride",
+        "B",
+        "N",
+        "T",
+        "num_pages",
+        "num_rows",
+        "window_start",
+        "window_n",
+        "sweep_start",
+        "sweep_n",
+        "n_jobs_e",
+        "nsteps_b",
+        "nsteps_n",
+        "n_entry",
+        "n_req",
+        "n_claim",
+        "n_sweep",
+        "REV",
+    )
+)
 def _read_kernel(
     p_state, p_prior, p_fill, p_owner, p_ogen, p_lpage, p_epoch, p_chain, p_digest,
     r_gen, r_npages, r_clen, r_ctail,
@@ -694,7 +739,9 @@ def _entry_efree(pt, pt_stride, r, gen, L, i, mi, p_state, p_prior, p_fill, p_ow
     return page, ok, ok & free_ok & (lp == i) & (head % PS == 0) & (fill >= need)
 
 
-@triton.jit
+@triton.jit(
+    do_not_specialize=_dyn("pt_stride", "pt_width", "B", "N", "num_pages", "pad_slot", "REV")
+)
 def _write_kernel(
     p_state, p_prior, p_fill, p_owner, p_ogen, p_lpage,
     r_gen, r_agg,
@@ -857,7 +904,7 @@ def _write_kernel(
 
 
 # -- apply_step -------------------------------------------------------------------------------------
-@triton.jit
+@triton.jit(do_not_specialize=_dyn("B", "N", "step", "n_wprog", "REV"))
 def _apply_kernel(
     p_state, p_prior, p_fill, p_owner, p_ogen, p_lpage, p_epoch, p_chain, p_digest, p_hist,
     r_gen, r_npages, r_agg, r_clen, r_ctail,
@@ -942,7 +989,7 @@ def _apply_kernel(
 
 
 # -- seal_step --------------------------------------------------------------------------------------
-@triton.jit
+@triton.jit(do_not_specialize=_dyn("N", "REV"))
 def _seal_kernel(p_fill, p_digest, wpos, inner, top, targets, wflags, N, REV,
                  PS: tl.constexpr, BW: tl.constexpr, CHECKSUMS: tl.constexpr):  # fmt: skip
     pid = tl.program_id(0)
@@ -1561,7 +1608,7 @@ class TritonKernels:
         return out
 
 
-@triton.jit
+@triton.jit(do_not_specialize=_dyn("n"))
 def _finish_digests_kernel(inner, pos, out, n, BLOCK: tl.constexpr):
     j = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     m = j < n

@@ -152,10 +152,16 @@ def _differences(ref: Any, got: Any, what: str) -> str | None:
     return None
 
 
+_REFERENCE: dict[tuple[str, str, int], Any] = {}  # reference traces, computed once per case
+
+
 def _compare(scenario: str, mode: str, ps: int, device: str = "cpu", **kw: Any) -> str | None:
     from kvguard.kernels.guard_triton import TritonKernels
 
-    ref = _trace("torch", scenario, mode, ps)
+    key = (scenario, mode, ps)
+    if key not in _REFERENCE:
+        _REFERENCE[key] = _trace("torch", scenario, mode, ps)
+    ref = _REFERENCE[key]
     got = _trace(TritonKernels(**kw), scenario, mode, ps, device)
     return _differences(ref, got, f"{scenario} {mode} ps{ps}")
 
