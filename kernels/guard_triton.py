@@ -759,7 +759,8 @@ def _write_kernel(
         # refused (an index outside the pool or table): every write of the step goes to the
         # padding slot, no transition follows (apply and seal see no landed write), and reading
         # the verdict raises. Program b takes its share of the writes, whoever they belong to.
-        per = (N + B - 1) // B
+        nprog = tl.num_programs(0)
+        per = (N + nprog - 1) // nprog
         for j0 in range(b * per, tl.minimum(b * per + per, N), BW):
             j = j0 + tl.arange(0, BW)
             mj = j < tl.minimum(b * per + per, N)
@@ -1442,8 +1443,8 @@ class TritonKernels:
                      HAS_WB=has_wb, HAS_PREFIX=has_prefix, HAS_SEEDS=has_seeds, HASH=hashing,
                      HASH_ALL=hash_all, CHECKSUMS=checksums, VERIFY_ALL=verify_all,
                      **common)  # fmt: skip
-        if B:
-            self._launch(_write_kernel, (B,), P.state, P.prior, P.fill, P.owner, P.owner_gen,
+        if B or N:  # with writes and no request the step is refused: one program firewalls them
+            self._launch(_write_kernel, (max(B, 1),), P.state, P.prior, P.fill, P.owner, P.owner_gen,
                          P.lpage, R.gen, R.agg, rows, ws_, wbatch, wpos, wtok, pt, pt.stride(0),
                          pt.shape[1], seeds, ws.meta, ws.mout, self.winner, self.last, self.top,
                          ws.targets, ws.wchain, ws.wflags, ws.taint_u8, ws.reclaim_u8,
