@@ -23,6 +23,8 @@ Launches per step (each one grid; sizes come from host ints already in ``StepInp
 * ``apply_step``: one (``_apply_kernel``: claims, the last landing write's page chain, rows).
 * ``seal_step``: one in tags mode (``_seal_kernel``: fill), two with checksums (``_hash_kernel``
   over the landed writes, then ``_seal_kernel`` adds their digests).
+* ``release_pages`` (not per step): two (the first occurrence of a page is its lowest index: an
+  atomic min, then the transitions).
 
 A decode step launches 4 kernels in tags mode and 6 with checksums (one more on a step that
 allocates a page), plus the one copy of its metadata: with the guard's own operators around
@@ -32,15 +34,20 @@ flagged, any page tainted, any to reclaim, refused, tokens hashed) are written b
 straight into pinned host memory where the device can map it (checked once at bind; otherwise
 one small copy when read), so ``StepCheck.flags()`` after the engine's own sync costs nothing.
 
-State the backend keeps (``workspace_bytes``): per pool page 4 int32 scratch words (claim winner,
-last landing write, highest landed offset, allocation stamp: all back at rest after each step)
-and, in each of three step workspaces, 3 flag bytes (taint, reclaim, read taint); per step the
-metadata, write outputs and hash scratch, grown to the largest step seen. Three workspaces, not
-two: the overlap scheduler checks step N + 1 before it reads step N's verdict, and a workspace is
-cleared during the step before its next use, inside the read kernel, where no launch is added.
+State the backend keeps (``workspace_bytes``): 25 bytes per pool page, 4 int32 scratch words
+(claim winner, last landing write, highest landed offset: back at rest after every step; the
+stamp of the page's last hand-out call) and, in each of three step workspaces, 3 flag bytes
+(taint, reclaim, read taint); plus per-step arrays (metadata, write outputs, hash scratch) grown
+to the largest step seen. Three workspaces, not two: the overlap scheduler checks step N + 1
+before it reads step N's verdict, and a workspace is cleared during the step before its next use,
+inside the read kernel, where no launch is added.
 
-Invalid input: the reference raises on a page or slot index outside the pool; these kernels never
-touch memory outside it and flag the reader or writer instead.
+Out-of-range input (a row outside the table, a page-table slot or write outside the pool, a
+negative position, a write batch out of order): the reference refuses the step with ValueError
+before reading anything. Here the read kernels find it (every load is masked, so nothing outside
+the pool or table is read), the write kernel sends all the step's writes to the padding slot,
+apply and seal change nothing, and the ValueError is raised when the verdict is read (on the CPU
+in the check, as the reference; on a GPU at resolve, after the engine's sync).
 """
 
 from __future__ import annotations

@@ -9,9 +9,13 @@ seeds), hand-outs and frees with repeats, and cases run with every grid's progra
 order and the KV sums split over buffer groups (the interpreter runs programs in order: a result
 that depends on the order shows up as a difference). After every forward the verdicts, the
 firewalled write slots, every ledger and row array, the KV bytes and the tokens hashed must equal
-the torch reference's, exactly as ``test_guard_kernels.py`` compares the compiled CPU kernels.
+the torch reference's, exactly as ``test_guard_kernels.py`` compares the compiled CPU kernels;
+and out-of-range steps are refused as the reference refuses them.
 
-On a machine with a GPU (``@pytest.mark.gpu``): the full matrix, compiled, on CUDA pools.
+Without a GPU, in this process: the decode kernels compile for sm_90 (Triton lowers them to
+a cubin offline), and a decode step on a GPU pool dispatches few operations, flat in batch and
+context (launches counted, not run). On a machine with a GPU (``@pytest.mark.gpu``): the full
+matrix compiled on CUDA pools (also reversed and split), out-of-range steps, the fused checksum.
 """
 
 from __future__ import annotations
