@@ -96,41 +96,62 @@ static inline __attribute__((always_inline)) const uint32_t *slot_words(const Bu
     return (const uint32_t *)(b->base + p * b->page_stride + o * b->slot_stride);
 }
 
-static inline __attribute__((always_inline)) u64 token_digest_inline(const Kv *kv, i64 slot, i64 pos) {
-    u64 inner = 0;
-    for (int b = 0; b < kv->nbuf; b++) {
-        const i64 off = b * kv->wmax;
-        inner += row_inner(slot_words(&kv->bufs[b], slot), kv->lo + off, kv->hi + off, kv->bufs[b].words);
-    }
-    return fmix64(inner ^ splitmix64((u64)pos + POS_SEED));
-}
-
 #define CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
 
-CLONES static u64 token_digest(const Kv *kv, i64 slot, i64 pos) { return token_digest_inline(kv, slot, pos); }
-
-/* Rows of a token are scattered over the pool: ask for those of a token PREFETCH_AHEAD places
- * ahead while hashing this one, so the memory system works on several at once. */
-#define PREFETCH_AHEAD 8
-static inline __attribute__((always_inline)) void prefetch_token(const Kv *kv, i64 slot) {
+/* Hashing many tokens: one buffer at a time over all of them (the access pattern of a gather:
+ * independent rows of one array), asking for the rows PREFETCH_AHEAD tokens ahead, then the
+ * position mix. `inner` is scratch of n words. */
+#define PREFETCH_AHEAD 12
+CLONES static void token_digests_into(const Kv *kv, const i64 *slots, const i64 *pos, i64 n,
+                                      u64 *inner, i64 *out) {
+    memset(inner, 0, sizeof(u64) * (size_t)n);
     for (int b = 0; b < kv->nbuf; b++) {
-        const char *row = (const char *)slot_words(&kv->bufs[b], slot);
-        for (i64 off = 0; off < kv->bufs[b].words * 4; off += 64) __builtin_prefetch(row + off, 0, 0);
+        const Buf *bf = &kv->bufs[b];
+        const uint32_t *lo = kv->lo + b * kv->wmax, *hi = kv->hi + b * kv->wmax;
+        const i64 bytes = bf->words * 4;
+        for (i64 t = 0; t < n; t++) {
+            if (t + PREFETCH_AHEAD < n) {
+                const char *row = (const char *)slot_words(bf, slots[t + PREFETCH_AHEAD]);
+                for (i64 off = 0; off < bytes; off += 64) __builtin_prefetch(row + off, 0, 3);
+            }
+            inner[t] += row_inner(slot_words(bf, slots[t]), lo, hi, bf->words);
+        }
     }
+    for (i64 t = 0; t < n; t++) out[t] = (i64)fmix64(inner[t] ^ splitmix64((u64)pos[t] + POS_SEED));
 }
 
-CLONES static void token_digest_batch(const Kv *kv, const i64 *slots, const i64 *pos, i64 n, i64 *out) {
-    for (i64 t = 0; t < n; t++) {
-        if (t + PREFETCH_AHEAD < n) prefetch_token(kv, slots[t + PREFETCH_AHEAD]);
-        out[t] = (i64)token_digest_inline(kv, slots[t], pos[t]);
+/* Digests of whole pages (their sealed tokens, at the pages' own logical positions): the pages'
+ * tokens flattened, hashed as above, summed per page. Returns -1 when out of memory. */
+static int page_digests(const Kv *kv, const Pages *P, const i64 *pages, i64 n, i64 ps, u64 *out,
+                        i64 *hashed) {
+    i64 total = 0;
+    for (i64 k = 0; k < n; k++) total += P->fill[pages[k]];
+    *hashed += total;
+    i64 *slots = (i64 *)malloc(sizeof(i64) * (size_t)(3 * total + 1));
+    u64 *inner = (u64 *)malloc(sizeof(u64) * (size_t)(total + 1));
+    if (!slots || !inner) {
+        free(slots);
+        free(inner);
+        return -1;
     }
-}
-
-CLONES static u64 page_digest(const Kv *kv, const Pages *P, i64 page, i64 ps) {
-    i64 fill = P->fill[page], lp = P->lpage[page] < 0 ? 0 : P->lpage[page];
-    u64 s = 0;
-    for (i64 o = 0; o < fill; o++) s += token_digest_inline(kv, page * ps + o, lp * ps + o);
-    return s;
+    i64 *pos = slots + total, *dig = slots + 2 * total, t = 0;
+    for (i64 k = 0; k < n; k++) {
+        const i64 pg = pages[k], lp = P->lpage[pg] < 0 ? 0 : P->lpage[pg];
+        for (i64 o = 0; o < P->fill[pg]; o++, t++) {
+            slots[t] = pg * ps + o;
+            pos[t] = lp * ps + o;
+        }
+    }
+    token_digests_into(kv, slots, pos, total, inner, dig);
+    t = 0;
+    for (i64 k = 0; k < n; k++) {
+        u64 sum = 0;
+        for (i64 o = 0; o < P->fill[pages[k]]; o++, t++) sum += (u64)dig[t];
+        out[k] = sum;
+    }
+    free(slots);
+    free(inner);
+    return 0;
 }
 
 static void push_history(Pages *P, i64 page, int event, i64 step, i64 row) {
@@ -308,6 +329,15 @@ static PyObject *check_step(PyObject *self, PyObject *const *args, Py_ssize_t na
     /* entry index of each request's first read page, each entry's page, and whether it is a
      * freed page validly held (for the passes after all content taint is known) */
     i64 *estart = scratch, *epage = scratch + B + 1, *efree = scratch + B + 1 + T;
+    /* entries whose pages are hashed this step: entry, request, read-of-quarantined flag */
+    i64 nh = 0, *hlist = (i64 *)malloc(sizeof(i64) * (size_t)(2 * T + 1));
+    uint8_t *hq = (uint8_t *)malloc((size_t)T + 1);
+    if (!hlist || !hq) {
+        free(hlist);
+        free(hq);
+        return PyErr_NoMemory();
+    }
+    i64 *hb = hlist + T;
 
     /* ---- pass 1: reads, adoption, checksums of pages read ---- */
     i64 e = 0;
@@ -374,17 +404,14 @@ static PyObject *check_step(PyObject *self, PyObject *const *args, Py_ssize_t na
                 if (d < (window_pages < T ? window_pages : T)) hash = 1;
             }
             if (fill <= 0) hash = 0;
-            int bad = 0;
-            if (hash) {
-                bad = page_digest(&kv, &P, pg, ps) != (u64)P.digest[pg];
-                hashed += fill;
-                if (bad) {
-                    k |= CHECKSUM_MISMATCH;
-                    MARK(taint, pg);
-                }
+            if (hash) { /* hashed below, with every other page of the step */
+                hlist[nh] = e;
+                hb[nh] = b;
+                hq[nh] = (uint8_t)(quar && !cand);
+                nh++;
+            } else if (quar && !cand) {
+                k |= QUARANTINED_PAGE; /* read, not verified intact */
             }
-            const int verified = verify_all && hash && !bad;
-            if (quar && !cand && !verified) k |= QUARANTINED_PAGE;
             efree[e] = free_ok && lpage_ok && head_ok && fill >= need;
         }
         if (ptok && any_cand) {
@@ -408,17 +435,39 @@ static PyObject *check_step(PyObject *self, PyObject *const *args, Py_ssize_t na
     }
     estart[B] = e;
 
-    /* ---- sweep of resting pages ---- */
-    if (sweep_pages && P.num_pages) {
-        const i64 n = sweep_pages < P.num_pages ? sweep_pages : P.num_pages;
-        for (i64 t = 0; t < n; t++) {
-            const i64 pg = (sweep_start + t) % P.num_pages;
-            const int st = P.state[pg];
-            if ((st == OWNED || st == SHARED) && P.fill[pg] > 0) {
-                if (page_digest(&kv, &P, pg, ps) != (u64)P.digest[pg]) MARK(taint, pg);
-                hashed += P.fill[pg];
+    /* ---- checksums: the pages read that this mode hashes, then the resting pages swept ---- */
+    {
+        const i64 ns = sweep_pages && P.num_pages ? (sweep_pages < P.num_pages ? sweep_pages : P.num_pages) : 0;
+        i64 *pages = (i64 *)malloc(sizeof(i64) * (size_t)(nh + ns + 1));
+        u64 *found = (u64 *)malloc(sizeof(u64) * (size_t)(nh + ns + 1));
+        i64 m = 0;
+        if (pages && found) {
+            for (i64 x = 0; x < nh; x++) pages[m++] = epage[hlist[x]];
+            for (i64 t = 0; t < ns; t++) {
+                const i64 pg = (sweep_start + t) % P.num_pages;
+                const int st = P.state[pg];
+                if ((st == OWNED || st == SHARED) && P.fill[pg] > 0) pages[m++] = pg;
             }
         }
+        if (!pages || !found || page_digests(&kv, &P, pages, m, ps, found, &hashed)) {
+            free(pages); free(found); free(hlist); free(hq);
+            return PyErr_NoMemory();
+        }
+        for (i64 x = 0; x < nh; x++) {
+            const i64 pg = pages[x], b = hb[x];
+            const int bad = found[x] != (u64)P.digest[pg];
+            if (bad) {
+                kinds[b] |= CHECKSUM_MISMATCH;
+                MARK(taint, pg);
+            }
+            if (hq[x] && !(verify_all && !bad)) kinds[b] |= QUARANTINED_PAGE;
+        }
+        for (i64 x = nh; x < m; x++)
+            if (found[x] != (u64)P.digest[pages[x]]) MARK(taint, pages[x]);
+        free(pages);
+        free(found);
+        free(hlist);
+        free(hq);
     }
 
     /* ---- writes ---- */
@@ -587,10 +636,29 @@ static PyObject *seal_step(PyObject *self, PyObject *const *args, Py_ssize_t nar
         if (!write_ok[j]) continue;
         const i64 s = targets[j], pg = s / ps, top = s % ps + 1;
         if (P.fill[pg] < top) P.fill[pg] = (int16_t)top;
-        if (checksums) {
-            P.digest[pg] = (i64)((u64)P.digest[pg] + token_digest(&kv, s, wpos[j]));
-            hashed++;
+    }
+    if (checksums && N) {
+        i64 *buf = (i64 *)malloc(sizeof(i64) * (size_t)(3 * N));
+        u64 *inner = (u64 *)malloc(sizeof(u64) * (size_t)N);
+        if (!buf || !inner) {
+            free(buf);
+            free(inner);
+            return PyErr_NoMemory();
         }
+        i64 *sl = buf, *po = buf + N, *dg = buf + 2 * N, m = 0;
+        for (i64 j = 0; j < N; j++)
+            if (write_ok[j]) {
+                sl[m] = targets[j];
+                po[m++] = wpos[j];
+            }
+        token_digests_into(&kv, sl, po, m, inner, dg);
+        for (i64 t = 0; t < m; t++) {
+            const i64 pg = sl[t] / ps;
+            P.digest[pg] = (i64)((u64)P.digest[pg] + (u64)dg[t]);
+        }
+        hashed = m;
+        free(buf);
+        free(inner);
     }
     return PyLong_FromLongLong(hashed);
 }
@@ -659,9 +727,12 @@ static PyObject *token_digests(PyObject *self, PyObject *const *args, Py_ssize_t
     const i64 *slots = PTR(const i64 *, a[1]), *pos = PTR(const i64 *, a[2]);
     const i64 n = a[3];
     i64 *out = PTR(i64 *, a[4]);
+    u64 *inner = (u64 *)malloc(sizeof(u64) * (size_t)(n + 1));
+    if (!inner) return PyErr_NoMemory();
     Py_BEGIN_ALLOW_THREADS
-    token_digest_batch(&kv, slots, pos, n, out);
+    token_digests_into(&kv, slots, pos, n, inner, out);
     Py_END_ALLOW_THREADS
+    free(inner);
     Py_RETURN_NONE;
 }
 
