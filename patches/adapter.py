@@ -8,6 +8,7 @@ from array import array
 
 import torch
 
+from kvguard.kernels.kv_checksum_ref import row_words
 from kvguard.patches import state
 from kvguard.patches.tenancy import tenant_seeds
 from kvguard.step import StepView
@@ -88,9 +89,21 @@ def guarded_kv_buffers(pool) -> tuple[str, list[torch.Tensor]]:
     name = type(pool).__name__
     if name in _MHA_POOLS:
         k, v = pool.k_buffer, pool.v_buffer
-        return "mha", [b for pair in zip(k, v) for b in pair]
-    if name in _MLA_POOLS:
-        return "mla", list(pool.kv_buffer)
+        kind, buffers = "mha", [b for pair in zip(k, v) for b in pair]
+    elif name in _MLA_POOLS:
+        kind, buffers = "mla", list(pool.kv_buffer)
+    else:
+        kind, buffers = "", []
+    if kind:
+        try:  # the checksum reads every stored byte as 32-bit words of contiguous slot rows
+            for b in buffers:
+                row_words(b)
+        except ValueError as exc:
+            raise UnsupportedPoolError(
+                f"kvguard cannot guard the KV pool {name}: {exc} (shape {tuple(buffers[0].shape)}, "
+                f"{buffers[0].dtype}); run with --kvguard-mode off to serve this model without the guard"
+            ) from None
+        return kind, buffers
     known = ", ".join(_MHA_POOLS + _MLA_POOLS)
     raise UnsupportedPoolError(
         f"kvguard cannot guard the KV pool {name} (guarded pools: {known}); "

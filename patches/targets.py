@@ -44,6 +44,12 @@ GUARD_TARGETS = [
         "every slot re-entering the free list (page_size 1), attributed to the request being released",
     ),
     (
+        "sglang.srt.model_executor.pool_configurator.DefaultPoolConfigurator.calculate_pool_sizes",
+        "AROUND",
+        "pool_budget.around_calculate_pool_sizes",
+        "count the guard's per-page state in the KV budget SGLang sizes the pool from",
+    ),
+    (
         "sglang.srt.mem_cache.common.release_kv_cache",
         "AROUND",
         "pool_hooks.around_release_kv_cache",
@@ -360,6 +366,12 @@ _CT = "sglang.srt.layers.quantization.compressed_tensors"
 # fmt: off
 SGLANG_NAMES = [
     # -- engine control: abort, withhold pages, rebuild the free list (control.py) --------------
+    (
+        "sglang.srt.model_executor.pool_configurator.DefaultPoolConfigurator._cell_size",
+        "attribute",
+        "pool_budget",
+        "SGLang's KV bytes per token, to take the guard's share from the budget",
+    ),
     (f"{_SCHED}._pending_chunked_abort_req", "attribute", "control", "deferred abort of a chunked prefill"),
     (f"{_SCHED}.chunked_req", "attribute", "control", "the request mid chunked prefill"),
     (f"{_SCHED}.token_to_kv_pool_allocator", "attribute", "control", "the KV allocator"),
