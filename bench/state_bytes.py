@@ -17,6 +17,8 @@ from kvguard.kernels.guard_state import PageArrays, RowArrays
 
 # bytes per page the CPU backend keeps outside the ledger: two workspaces x (taint + reclaim)
 WORKSPACE_BYTES_PER_PAGE = 4
+# the Triton backend's (CUDA pools): 4 int32 scratch words + 3 flag bytes in each of 3 workspaces
+TRITON_WORKSPACE_BYTES_PER_PAGE = 25
 
 GEOMETRIES = {
     # Llama-3.1-8B: 32 layers x 8 KV heads x 128 x (K, V) x 1 byte (FP8) = 64 KiB per token
@@ -43,6 +45,7 @@ def report(
     name: str, slots: int, page_size: int, rows: int, context: int, kv_bytes_per_token: int
 ) -> str:
     g = guard_bytes(slots, page_size, rows)
+    cuda = g["ledger"] + g["records"] + g["pages"] * TRITON_WORKSPACE_BYTES_PER_PAGE
     pool = slots * kv_bytes_per_token
     table = rows * context * 4
     mib = lambda n: f"{n / 2**20:,.1f} MiB"
@@ -51,6 +54,8 @@ def report(
         f"page {page_size} ({g['pages']:,} pages), {rows:,} rows x {context:,} context\n"
         f"  guard: ledger {mib(g['ledger'])} + records {mib(g['records'])} + CPU workspace "
         f"{mib(g['workspace'])} = {mib(g['total'])} = {100 * g['total'] / pool:.3f}% of the KV pool\n"
+        f"  on a CUDA pool (Triton backend, {TRITON_WORKSPACE_BYTES_PER_PAGE} B/page of scratch): "
+        f"{mib(cuda)} = {100 * cuda / pool:.3f}%\n"
         f"  (SGLang's req_to_token at this geometry: {mib(table)} = {100 * table / pool:.2f}%)"
     )
 

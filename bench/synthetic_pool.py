@@ -253,6 +253,7 @@ class SyntheticPool:
         c = verdict.check
         out = {
             "kinds": c.kinds.clone(), "taint": c.taint.clone(), "reclaim": c.reclaim.clone(),
+            "hashed": torch.tensor([c.tokens_hashed()]),
             "write_ok": c.write_ok.clone(), "firewalled": verdict.view.write_slots.clone(),
         }  # fmt: skip
         P, R = self.guard.ledger.pages, self.guard.records.rows

@@ -17,7 +17,8 @@ Definitions (ps = page size; row r reads positions [0, L) and holds logical page
 * page digest = wrapping sum over its sealed tokens of token_digest(slot, lpage * ps + offset)
   (``kv_checksum_ref``).
 
-The step check, per request b (row r, prefix L, page entries i < ceil(L / ps)):
+The step check, per request b (row r, prefix L, page entries i < ceil(L / ps)); a batch holds
+each row at most once (as SGLang's batches do):
 
 1. Adoption (extend steps, ``prefix_tokens`` given): entries i >= n_pages[r] are prefix-cache
    pages to adopt: SHARED (or freed from SHARED), full, sealed, lpage i, chain equal to the
@@ -508,6 +509,7 @@ def seal_step(
         d = token_digests_ref(buffers, c.targets, x.write_pos.to(_I64)).to(dev)
         P.digest.index_add_(0, wpage, torch.where(c.write_ok, d, 0))
         hashed += c.write_ok.to(_I64).sum()
+        c.hashed = c.hashed + hashed  # tokens_hashed() counts the check and the seal
     return hashed
 
 

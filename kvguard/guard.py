@@ -32,6 +32,11 @@ from kvguard.verdict import Kind, StepVerdict, Violation, forensic_record, new_v
 
 Agreement = Callable[[torch.Tensor], torch.Tensor]
 
+# The guard's own time is the CPU time of the thread running its hooks: on a machine whose
+# cores the scheduler shares (tokenizer, detokenizer, clients), wall time inside a hook also
+# counts the moments the thread was preempted by others.
+clock = time.thread_time
+
 
 class Guard:
     def __init__(
@@ -89,7 +94,7 @@ class Guard:
 
     # -- forward ----------------------------------------------------------------------------------------
     def before_forward(self, view: StepView) -> StepVerdict:
-        t0 = time.perf_counter()
+        t0 = clock()
         self.step = view.step
         self.checker.escalated = (
             self.flush_wanted
@@ -112,7 +117,7 @@ class Guard:
 
     def after_forward(self, verdict: StepVerdict) -> None:
         """Seal what the forward wrote (enqueued after its writes: no sync needed)."""
-        t0 = time.perf_counter()
+        t0 = clock()
         self.ledger.seal(
             verdict.inputs, verdict.check, self.checker.kv_buffers, self.config.checksums
         )
@@ -130,7 +135,7 @@ class Guard:
         ``agree(tensor) -> tensor``: with tensor parallelism each rank hashes its own KV heads, so
         verdicts can differ; the adapter passes an all-reduce (bitwise OR) over the ranks so that
         every rank aborts, quarantines and reclaims exactly the same things."""
-        t0 = time.perf_counter()
+        t0 = clock()
         if self._unresolved is verdict:
             self._unresolved = None
         c = verdict.check
@@ -195,7 +200,7 @@ class Guard:
     # -- pool events ------------------------------------------------------------------------------------
     def on_alloc(self, slots: torch.Tensor) -> None:
         """The engine's allocator handed out slots: its hand-out is authoritative."""
-        t0 = time.perf_counter()
+        t0 = clock()
         self.ledger.allocate(slots, self.step)
         self._account(t0)
 
@@ -219,7 +224,7 @@ class Guard:
         kept from the free list: the releasing request is its stale holder."""
         if self._release_row is None:
             return torch.ones(pages.shape, dtype=torch.bool, device=pages.device)
-        t0 = time.perf_counter()
+        t0 = clock()
         keep = self.ledger.attributable(self.records, pages, self._release_row)
         if not bool(keep.all()):
             self._stale_freed.append(pages[~keep].to(torch.int64))
@@ -229,7 +234,7 @@ class Guard:
     def on_release(self, pages: torch.Tensor) -> torch.Tensor:
         """Pages go back to the engine's free list. Returns the pages that really may be reused:
         a double free is not pushed twice, a quarantined page is withheld."""
-        t0 = time.perf_counter()
+        t0 = clock()
         pages = pages.to(torch.int64)
         keep, double = self.ledger.release(pages, self.step)
         if bool(double.any()):  # a sync on GPU, like the torch.unique SGLang's free already does
@@ -244,7 +249,7 @@ class Guard:
 
     def on_share(self, slots: torch.Tensor, row: int) -> None:
         """The prefix cache took row ``row``'s KV up to these slots: its own pages become shared."""
-        t0 = time.perf_counter()
+        t0 = clock()
         self.ledger.share(self.records, slots, row, self.step)
         self._account(t0)
 
@@ -252,7 +257,7 @@ class Guard:
         self, row: int, first_position: int, old_slots: torch.Tensor, new_slots: torch.Tensor
     ) -> None:
         """The prefix cache replaced the row's slots from ``first_position`` by its own copies."""
-        t0 = time.perf_counter()
+        t0 = clock()
         ps = self.ledger.page_size
         start = -(-first_position // ps) * ps  # only whole pages move (inserts are page aligned)
         skip = start - first_position
@@ -270,7 +275,7 @@ class Guard:
 
     def on_rows_allocated(self, rows: torch.Tensor) -> None:
         """Rows handed to new requests: forget what their previous owners expected."""
-        t0 = time.perf_counter()
+        t0 = clock()
         self.records.reset_rows(rows)
         self._account(t0)
 
@@ -314,7 +319,7 @@ class Guard:
         (whole pages, from position 0)? The hand-off rule of the step check, asked early so the
         engine can refuse the hit (the request prefills its own KV) instead of the guard aborting
         it. Host reads: CPU pools only."""
-        t0 = time.perf_counter()
+        t0 = clock()
         try:
             return self._adoptable(slots, tokens, seed)
         finally:
@@ -383,7 +388,7 @@ class Guard:
                 )
 
     def _account(self, t0: float) -> None:
-        self._seconds += time.perf_counter() - t0
+        self._seconds += clock() - t0
 
     def _flush_metrics(self) -> None:
         """Counters reach Prometheus once per step (at resolve), not once per hook: each
@@ -398,6 +403,6 @@ class Guard:
         self._seconds, self._steps, self._tokens, self._hashed = 0.0, 0, 0, 0
 
     def charge(self, t0: float) -> None:
-        """The adapter's own host time for the guard since ``t0`` (``time.perf_counter()``):
+        """The adapter's own time for the guard since ``t0`` (``kvguard.guard.clock()``):
         building the step view, capturing rows around a prefix-cache insert."""
         self._account(t0)

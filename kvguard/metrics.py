@@ -35,7 +35,9 @@ class GuardMetrics:
         )
         self.requests_aborted = Counter("requests_aborted", "Requests aborted by the guard", **kw)
         self.pages_quarantined = Counter("pages_quarantined", "KV pages withheld from reuse", **kw)
-        self.check_seconds = Counter("check_seconds", "Host time spent in guard hooks", **kw)
+        self.check_seconds = Counter(
+            "check_seconds", "CPU time of the scheduler thread inside guard hooks", **kw
+        )
         self.unchecked_forwards = Counter(
             "unchecked_forwards", "Forwards that ran without the guard's check (must stay 0)", **kw
         )

@@ -3,10 +3,9 @@ the guard found bad are refused, so the request prefills from scratch instead of
 
 from __future__ import annotations
 
-import time
-
 import structlog
 
+from kvguard.guard import clock
 from kvguard.patches import state
 from kvguard.patches.tenancy import namespace_of, namespace_seed
 
@@ -32,7 +31,7 @@ def around_checkpoint_into_tree(original, cache, req, *args, **kwargs):
         # them: keep the request on its own pages (as if barred from the tree this once).
         log.warning("kvguard_tree_insert_skipped", request=req.rid)
         return None
-    t0 = time.perf_counter()
+    t0 = clock()
     table = state.scheduler.req_to_token_pool.req_to_token
     start = req.kv.cache_protected_len
     before = table[row, start : kwargs.get("up_to", start)].clone()

@@ -4,11 +4,10 @@ batch's requests (aborted, never served unchecked), never the scheduler."""
 
 from __future__ import annotations
 
-import time
-
 import structlog
 import torch
 
+from kvguard.guard import clock
 from kvguard.patches import state
 from kvguard.patches.adapter import step_view
 from kvguard.patches.control import release_aborted
@@ -43,7 +42,7 @@ def around_model_forward(original, runner, forward_batch, *args, **kwargs):
         _count_unchecked(forward_batch)  # a forward outside the scheduler's batch path
     else:
         try:
-            t0 = time.perf_counter()
+            t0 = clock()
             view = step_view(forward_batch, batch, runner.forward_pass_id + 1)
             guard.charge(t0)
             if view is not None:

@@ -9,7 +9,7 @@ guard's share first, so pool and guard together fit what SGLang measured.
 
 from __future__ import annotations
 
-from kvguard.bench.state_bytes import WORKSPACE_BYTES_PER_PAGE
+from kvguard.bench.state_bytes import TRITON_WORKSPACE_BYTES_PER_PAGE, WORKSPACE_BYTES_PER_PAGE
 from kvguard.config import GuardConfig
 from kvguard.kernels.guard_state import PageArrays
 
@@ -17,7 +17,10 @@ LEDGER_BYTES_PER_PAGE = PageArrays.empty(1, "meta").nbytes()
 
 
 def guard_bytes_per_token(page_size: int) -> float:
-    return (LEDGER_BYTES_PER_PAGE + WORKSPACE_BYTES_PER_PAGE) / max(page_size, 1)
+    """The larger backend workspace of the two (CPU 4, CUDA 25 bytes per page): the budget is
+    taken before the guard exists, and the difference is 21 bytes per page."""
+    workspace = max(WORKSPACE_BYTES_PER_PAGE, TRITON_WORKSPACE_BYTES_PER_PAGE)
+    return (LEDGER_BYTES_PER_PAGE + workspace) / max(page_size, 1)
 
 
 # -- DefaultPoolConfigurator.calculate_pool_sizes (AROUND) ---------------------------------------

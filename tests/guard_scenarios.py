@@ -176,6 +176,39 @@ def write_unallocated(pool: SyntheticPool) -> set[str]:
     return {a.rid}
 
 
+def table_mismatch(pool: SyntheticPool) -> set[str]:
+    """a's next token goes to the slot it was allocated, but its page table names another slot at
+    that position when the guard checks (attention would read other KV there): refused."""
+    a, b = _two(pool)
+    honest = pool.guard.before_forward
+
+    def lying(view):  # type: ignore[no-untyped-def]
+        kept = pool.table[a.row, a.length].clone()
+        pool.table[a.row, a.length] = pool.table[b.row, 0]
+        try:
+            return honest(view)
+        finally:
+            pool.table[a.row, a.length] = kept
+
+    pool.guard.before_forward = lying  # type: ignore[method-assign]
+    _decode(pool, [a, b], steps=1)
+    pool.guard.before_forward = honest  # type: ignore[method-assign]
+    _decode(pool, [b])
+    return {a.rid}
+
+
+def overwrite_sealed(pool: SyntheticPool) -> set[str]:
+    """a's forward runs again over its last position (a replayed step): its token would land on
+    its own sealed slot."""
+    a, b = _two(pool)
+    while (a.length - 1) % pool.ps == 0:
+        _decode(pool, [a, b], steps=1)
+    a.length -= 1
+    pool.forward([a, b], 1)
+    _decode(pool, [b])
+    return {a.rid}
+
+
 def stale_prefix(pool: SyntheticPool) -> set[str]:
     """The prefix cache hands c pages that hold other tokens than c's prompt."""
     a, b = _two(pool)
@@ -282,6 +315,7 @@ SCENARIOS: dict[str, Scenario] = {
     for f in (
         clean, table_redirect, table_swap, premature_free_reused, premature_free_not_reused,
         double_allocation, double_claim_same_step, shared_write, overwrite, write_unallocated,
+        table_mismatch, overwrite_sealed,
         stale_prefix, cross_tenant, never_written, bit_flip_private, bit_flip_shared,
         read_before_ready, position_gap, rebind,
     )

@@ -55,5 +55,5 @@ def test_guard_share_of_the_budget():
     seen = []
     around_calculate_pool_sizes(lambda c, b, ps: seen.append(b), Configurator(), 10**9, 16)
     per_token = guard_bytes_per_token(16)
-    assert per_token == 76 / 16
+    assert per_token == (72 + 25) / 16
     assert seen[0] == int(10**9 * 1024 / (1024 + per_token))
