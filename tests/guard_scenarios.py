@@ -201,8 +201,10 @@ def overwrite_sealed(pool: SyntheticPool) -> set[str]:
     """a's forward runs again over its last position (a replayed step): its token would land on
     its own sealed slot."""
     a, b = _two(pool)
-    while (a.length - 1) % pool.ps == 0:
+    while pool.ps > 1 and (a.length - 1) % pool.ps == 0:  # not a page's first slot (page size > 1)
         _decode(pool, [a, b], steps=1)
+    if pool.ps == 1:  # every slot is a page: the replayed token claims its own sealed page
+        a.pages.pop()
     a.length -= 1
     pool.forward([a, b], 1)
     _decode(pool, [b])
