@@ -12,7 +12,8 @@ verdicts as the reference (``tests/test_guard_kernels.py``).
 from __future__ import annotations
 
 import os
-from typing import Protocol
+from collections.abc import Callable
+from typing import Any, Protocol
 
 import torch
 
@@ -51,7 +52,7 @@ class GuardKernels(Protocol):
         buffers: list[torch.Tensor],
         page_size: int,
         checksums: bool,
-    ) -> torch.Tensor: ...
+    ) -> torch.Tensor | None: ...
 
     def alloc_pages(
         self, P: PageArrays, slots: torch.Tensor, page_size: int, step: int
@@ -78,6 +79,17 @@ class TorchKernels:
     seal_step = staticmethod(guard_ref.seal_step)
     alloc_pages = staticmethod(guard_ref.alloc_pages)
     release_pages = staticmethod(guard_ref.release_pages)
+
+
+# The per-request transitions: a backend may run them itself (the compiled CPU one does); any
+# other runs the reference (they are not on the per-step path).
+PER_REQUEST = ("share_pages", "attribute_free", "rebind_row", "reset_rows")
+
+
+def per_request(kernels: object, name: str) -> Callable[..., Any]:
+    assert name in PER_REQUEST
+    fn = getattr(kernels, name, None)
+    return fn if fn is not None else getattr(guard_ref, name)  # type: ignore[no-any-return]
 
 
 class KernelsUnavailableError(RuntimeError):

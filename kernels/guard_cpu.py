@@ -258,7 +258,7 @@ class CpuKernels:
         buffers: list[torch.Tensor],
         page_size: int,
         checksums: bool,
-    ) -> torch.Tensor:
+    ) -> None:
         assert isinstance(c, CpuStepCheck)
         ctx = self._ctx
         assert ctx is not None
@@ -267,7 +267,7 @@ class CpuKernels:
         c.sealed_hashed = C.seal_step(
             ctx.addr, c._n, wpos.data_ptr(), page_size, int(checksums), c.ws.out_addr
         )
-        return torch.tensor([c.sealed_hashed])  # not read on the hot path (tokens_hashed() is)
+        # the count is read through check.tokens_hashed()
 
     def alloc_pages(self, P: PageArrays, slots: torch.Tensor, page_size: int, step: int) -> None:
         ctx = self._ctx_for(P)
@@ -283,6 +283,46 @@ class CpuKernels:
         double = torch.empty(p.numel(), dtype=torch.bool)
         C.release_pages(ctx.addr, p.data_ptr(), p.numel(), step, keep.data_ptr(), double.data_ptr())
         return keep, double
+
+    # -- the per-request transitions (backend.PER_REQUEST) ---------------------------------------
+    def share_pages(
+        self, P: PageArrays, R: RowArrays, pages: torch.Tensor, row: int, step: int
+    ) -> None:
+        ctx = self._ctx_for(P)
+        p = _need(pages, _I64, "pages")
+        C.share_pages(ctx.addr, p.data_ptr(), p.numel(), row, step)
+
+    def attribute_free(
+        self, P: PageArrays, R: RowArrays, pages: torch.Tensor, row: int
+    ) -> torch.Tensor:
+        ctx = self._ctx_for(P)
+        p = _need(pages, _I64, "pages")
+        keep = torch.empty(p.numel(), dtype=torch.bool)
+        C.attribute_free(ctx.addr, p.data_ptr(), p.numel(), row, keep.data_ptr())
+        return keep
+
+    def rebind_row(self, P: PageArrays, R: RowArrays, row: int, first_lpage: int,
+                   old_pages: torch.Tensor, new_pages: torch.Tensor, page_size: int, step: int) -> None:  # fmt: skip
+        ctx = self._ctx_for(P)
+        o, n = _need(old_pages, _I64, "pages"), _need(new_pages, _I64, "pages")
+        C.rebind_row(ctx.addr, row, first_lpage, o.data_ptr(), n.data_ptr(), min(o.numel(), n.numel()),
+                     page_size, step)  # fmt: skip
+
+    def reset_rows(self, R: RowArrays, rows: torch.Tensor) -> None:
+        assert self._ctx is not None and self._ctx.R is R
+        r = _need(rows, _I64, "rows")
+        C.reset_rows(self._ctx.addr, r.data_ptr(), r.numel())
+
+    def adoptable(self, P: PageArrays, heads: torch.Tensor, tokens: list[int], seed: int,
+                  page_size: int) -> bool:  # fmt: skip
+        ctx = self._ctx_for(P)
+        h = _need(heads, _I64, "slots")
+        t = array("q", tokens)
+        return bool(
+            C.adoptable(
+                ctx.addr, h.data_ptr(), h.numel(), t.buffer_info()[0], len(t), seed, page_size
+            )
+        )
 
     def token_digests(
         self, buffers: list[torch.Tensor], slots: torch.Tensor, positions: torch.Tensor

@@ -533,12 +533,15 @@ def attribute_free(P: PageArrays, R: RowArrays, pages: torch.Tensor, row: int) -
     page now held by someone else (another row's claim, the prefix cache, a new hand-out) is
     not: the releasing request is its stale holder. Pure."""
     pages = pages.to(_I64)
+    valid = (pages >= 0) & (pages < P.state.numel())  # not a page: the release drops it
+    pages = torch.where(valid, pages, 0)
     st = P.state[pages].to(_I64)
-    mine = (P.owner[pages].to(_I64) == row) & (P.owner_gen[pages] == R.gen[row])
+    gen = int(R.gen[row]) if 0 <= row < R.gen.numel() else -1
+    mine = (P.owner[pages].to(_I64) == row) & (P.owner_gen[pages] == gen)
     other = (
         ((st == OWNED) & ~mine) | (st == SHARED) | ((st == ALLOCATED) & (P.prior[pages] != FREE))
     )
-    return ~other
+    return ~other | ~valid
 
 
 def release_pages(
@@ -565,6 +568,9 @@ def release_pages(
 def share_pages(P: PageArrays, R: RowArrays, pages: torch.Tensor, row: int, step: int) -> None:
     """The prefix cache took row ``row``'s pages: those it owns become shared."""
     pages = torch.unique(pages.to(_I64))
+    pages = pages[(pages >= 0) & (pages < P.state.numel())]
+    if not 0 <= row < R.gen.numel():
+        return
     own = (
         (P.state[pages] == OWNED)
         & (P.owner[pages].to(_I64) == row)
@@ -589,10 +595,16 @@ def rebind_row(
     """The prefix cache replaced row ``row``'s own copies of logical pages first_lpage... by its
     own: the row's expectation moves to the new pages where they hold the same tokens (same
     chain, full, shared, same place). Elsewhere it stays, so the next read check flags the row."""
-    old, new = old_pages.to(_I64), new_pages.to(_I64)
+    n = min(old_pages.numel(), new_pages.numel())
+    old, new = old_pages[:n].to(_I64), new_pages[:n].to(_I64)
+    if not 0 <= row < R.gen.numel():
+        return
+    valid = (old >= 0) & (old < P.state.numel()) & (new >= 0) & (new < P.state.numel())
+    old, new = torch.where(valid, old, 0), torch.where(valid, new, 0)
     i = first_lpage + torch.arange(old.numel(), device=old.device)
     ok = (
-        (old != new)
+        valid
+        & (old != new)
         & (P.state[new] == SHARED)
         & (P.fill[new].to(_I64) == page_size)
         & (P.fill[old].to(_I64) == page_size)
@@ -639,6 +651,7 @@ def reclaim_pages(
 def reset_rows(R: RowArrays, rows: torch.Tensor) -> None:
     """Rows handed to new requests: a new generation, nothing held."""
     rows = rows.to(_I64)
+    rows = rows[(rows >= 0) & (rows < R.gen.numel())]
     R.gen[rows] += 1
     R.n_pages[rows] = 0
     R.agg[rows] = 0

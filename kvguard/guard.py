@@ -36,6 +36,7 @@ Agreement = Callable[[torch.Tensor], torch.Tensor]
 # cores the scheduler shares (tokenizer, detokenizer, clients), wall time inside a hook also
 # counts the moments the thread was preempted by others.
 clock = time.thread_time
+FLUSH_EVERY_S = 0.5
 
 
 class Guard:
@@ -59,7 +60,7 @@ class Guard:
             self.device, kernels if isinstance(kernels, str) else None
         )
         self.ledger = PageLedger(num_slots, page_size, self.device, self.kernels)
-        self.records = RowRecords(num_rows, self.device)
+        self.records = RowRecords(num_rows, self.device, self.kernels)
         self.checker = StepChecker(self.ledger, self.records, config, kv_buffers)
         self.kernels.bind(self.ledger.pages, self.records.rows, self.checker.kv_buffers)
         self.metrics = metrics or GuardMetrics.default()
@@ -74,6 +75,7 @@ class Guard:
         self._unresolved: StepVerdict | None = None  # the newest verdict not read yet
         self.host_reads_free = self.device.type == "cpu"
         self._seconds, self._steps, self._tokens, self._hashed = 0.0, 0, 0, 0  # not yet flushed
+        self._flushed_at = 0.0
         self.metrics.state_bytes.set(self.state_bytes)
 
     # -- configuration --------------------------------------------------------------------------------
@@ -244,7 +246,6 @@ class Guard:
             self.ledger.num_quarantined += int(withheld.sum())
         out = pages[keep]
         self._account(t0)
-        self._flush_metrics()  # a request finished: its last hooks reach the counters now
         return out
 
     def on_share(self, slots: torch.Tensor, row: int) -> None:
@@ -286,7 +287,7 @@ class Guard:
         self.actions.num_quarantined_total = 0
         self._double_freed.clear()
         self._stale_freed.clear()
-        self._flush_metrics()
+        self._flush_metrics(force=True)
 
     # -- questions the adapter may ask --------------------------------------------------------------------
     def unread_taint(self) -> bool:
@@ -329,6 +330,9 @@ class Guard:
         ps, n = self.ledger.page_size, slots.numel()
         if n == 0 or n % ps or len(tokens) < n:
             return n == 0
+        compiled = getattr(self.kernels, "adoptable", None)
+        if compiled is not None:
+            return bool(compiled(self.ledger.pages, slots[::ps], tokens[:n], seed, ps))
         P = self.ledger.pages
         heads = slots[::ps].to(torch.int64).to(self.device)
         pages = torch.div(heads, ps, rounding_mode="floor")
@@ -390,9 +394,18 @@ class Guard:
     def _account(self, t0: float) -> None:
         self._seconds += clock() - t0
 
-    def _flush_metrics(self) -> None:
-        """Counters reach Prometheus once per step (at resolve), not once per hook: each
-        increment is a write into SGLang's multiprocess metric files."""
+    def flush_metrics(self) -> None:
+        """Send the counters gathered since the last flush (the engine calls this when idle)."""
+        self._flush_metrics(force=True)
+
+    def _flush_metrics(self, force: bool = False) -> None:
+        """Counters reach Prometheus at most every FLUSH_EVERY_S seconds while serving (each
+        increment is a write into SGLang's multiprocess metric files, tens of microseconds),
+        and at once when the engine goes idle or the pool is flushed."""
+        now = time.monotonic()
+        if not force and now - self._flushed_at < FLUSH_EVERY_S:
+            return
+        self._flushed_at = now
         m = self.metrics
         m.check_seconds.inc(self._seconds)
         if self._steps:

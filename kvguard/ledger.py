@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from kvguard.kernels import guard_ref
-from kvguard.kernels.backend import GuardKernels
+from kvguard.kernels.backend import GuardKernels, per_request
 from kvguard.kernels.guard_ref import StepCheck, StepInputs
 from kvguard.kernels.guard_state import NO_ROW, Event, PageArrays, PageState
 from kvguard.records import RowRecords
@@ -47,6 +47,9 @@ class PageLedger:
     def epoch(self) -> torch.Tensor:
         return self.pages.epoch
 
+    def _here(self, t: torch.Tensor) -> torch.Tensor:
+        return t if t.device == self.device else t.to(self.device)
+
     def pages_of(self, slots: torch.Tensor) -> torch.Tensor:
         return torch.div(slots.to(torch.int64), self.page_size, rounding_mode="floor")
 
@@ -56,16 +59,18 @@ class PageLedger:
     # -- transitions (engine events) ----------------------------------------------------------------
     def allocate(self, slots: torch.Tensor, step: int) -> None:
         """The allocator handed out these slots (pages starting at them are new hand-outs)."""
-        self.kernels.alloc_pages(self.pages, slots.to(self.device), self.page_size, step)
+        self.kernels.alloc_pages(self.pages, self._here(slots), self.page_size, step)
 
     def release(self, pages: torch.Tensor, step: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Pages returned to the engine's free list: (which really go back, which are double
         frees)."""
-        return self.kernels.release_pages(self.pages, pages.to(self.device), step)
+        return self.kernels.release_pages(self.pages, self._here(pages), step)
 
     def attributable(self, records: RowRecords, pages: torch.Tensor, row: int) -> torch.Tensor:
         """Which of these pages a releasing row may free (not held by anyone else)."""
-        return guard_ref.attribute_free(self.pages, records.rows, pages.to(self.device), row)
+        fn = per_request(self.kernels, "attribute_free")
+        keep: torch.Tensor = fn(self.pages, records.rows, self._here(pages), row)
+        return keep
 
     def apply_step(self, records: RowRecords, x: StepInputs, check: StepCheck) -> None:
         """Claims, page chains and the claiming and adopting rows' records (one fused
@@ -74,14 +79,13 @@ class PageLedger:
 
     def seal(
         self, x: StepInputs, check: StepCheck, buffers: list[torch.Tensor], checksums: bool
-    ) -> torch.Tensor:
+    ) -> None:
         """After the forward: the tokens that landed are sealed (and hashed in checksum modes)."""
-        return self.kernels.seal_step(self.pages, x, check, buffers, self.page_size, checksums)
+        self.kernels.seal_step(self.pages, x, check, buffers, self.page_size, checksums)
 
     def share(self, records: RowRecords, slots: torch.Tensor, row: int, step: int) -> None:
-        guard_ref.share_pages(
-            self.pages, records.rows, self.pages_of(slots.to(self.device)), row, step
-        )
+        fn = per_request(self.kernels, "share_pages")
+        fn(self.pages, records.rows, self.pages_of(self._here(slots)), row, step)
 
     def quarantine(
         self, pages: torch.Tensor, epochs: torch.Tensor, step: int

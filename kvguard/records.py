@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from kvguard.kernels import guard_ref
+from kvguard.kernels.backend import per_request
 from kvguard.kernels.guard_state import RowArrays
 
 if TYPE_CHECKING:
@@ -21,9 +21,10 @@ if TYPE_CHECKING:
 
 
 class RowRecords:
-    def __init__(self, num_rows: int, device: torch.device | str):
+    def __init__(self, num_rows: int, device: torch.device | str, kernels: object = None):
         self.num_rows = num_rows
         self.device = torch.device(device)
+        self.kernels = kernels  # the backend (its per-request transitions, where it has them)
         self.rows = RowArrays.empty(num_rows, self.device)
 
     def nbytes(self) -> int:
@@ -31,7 +32,8 @@ class RowRecords:
 
     def reset_rows(self, rows: torch.Tensor) -> None:
         """Rows handed to new requests: a new generation, nothing held."""
-        guard_ref.reset_rows(self.rows, rows.to(self.device))
+        rows = rows if rows.device == self.device else rows.to(self.device)
+        per_request(self.kernels, "reset_rows")(self.rows, rows)
 
     def rebind(
         self,
@@ -43,7 +45,7 @@ class RowRecords:
         step: int,
     ) -> None:
         """The prefix cache replaced the row's own copies of some pages by its own."""
-        guard_ref.rebind_row(
+        per_request(self.kernels, "rebind_row")(
             pages.pages, self.rows, row, first_lpage, old_pages, new_pages, pages.page_size, step
         )
 

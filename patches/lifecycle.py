@@ -71,7 +71,10 @@ def on_pool_cleared(result, allocator, *args, **kwargs):
 
 # -- Scheduler.on_idle (AFTER) ------------------------------------------------------------------------------
 def flush_when_idle(result, scheduler, *args, **kwargs):
-    """Once idle after a quarantine, flush the prefix cache so suspect nodes leave it."""
+    """Once idle: the guard's counters reach /metrics, and after a quarantine the prefix cache is
+    flushed so suspect nodes leave it."""
+    if state.guard is not None:
+        state.guard.flush_metrics()
     if state.guard is not None and state.guard.flush_wanted and scheduler.flush_cache():
         log.info("kvguard_prefix_cache_flushed")
         state.guard.flush_wanted = False

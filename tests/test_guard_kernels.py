@@ -97,3 +97,29 @@ def test_out_of_range_inputs_are_refused_not_read(kernels):
                 pool.forward([a, b], 1)
     keep, double = pool.guard.ledger.release(torch.tensor([3, 10**6, -1, 3]), pool.step)
     assert double[1:].tolist() == [True, True, True] and not keep[1:].any()
+
+
+def test_match_time_adoption_matches_the_reference():
+    """``Guard.adoptable`` (the hand-off rule asked when the prefix cache matches): the compiled
+    answer equals the reference's for own tokens, other tokens, another tenant, partial pages."""
+    from guard_scenarios import _sharer, _two
+
+    answers = {}
+    for kernels in ("torch", "cpu"):
+        pool = SyntheticPool(
+            page_size=16, num_pages=4096 // 16 + 16, mode="sampled", kernels=kernels
+        )
+        a, _ = _two(pool)
+        _sharer(pool, a)  # a's full pages are now in the prefix cache
+        n = (a.length // 16) * 16
+        slots = pool.table[a.row, :n].to(torch.int64)
+        g = pool.guard
+        answers[kernels] = [
+            g.adoptable(slots, a.tokens[:n]),
+            g.adoptable(slots, [t + 1 for t in a.tokens[:n]]),
+            g.adoptable(slots, a.tokens[:n], seed=22),
+            g.adoptable(slots[:-3], a.tokens[:n]),
+            g.adoptable(slots[:16], a.tokens[:16]),
+            g.adoptable(slots, a.tokens[: n - 1]),
+        ]
+    assert answers["torch"] == answers["cpu"] == [True, False, False, False, True, False]

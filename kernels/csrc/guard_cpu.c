@@ -17,7 +17,7 @@ typedef uint64_t u64;
 typedef int64_t i64;
 
 enum { FREE = 0, OWNED = 1, SHARED = 2, QUARANTINED = 3, ALLOCATED = 4 };
-enum { EV_CLAIM = 1, EV_FREE = 4, EV_ALLOC = 6 };
+enum { EV_CLAIM = 1, EV_SHARE = 3, EV_FREE = 4, EV_ALLOC = 6, EV_REBIND = 8 };
 enum {
     TABLE_MISMATCH = 1 << 0, MISPLACED_SLOT = 1 << 1, DOUBLE_ALLOCATION = 1 << 2,
     WRONG_OWNER = 1 << 3, WRITE_TO_SHARED = 1 << 4, OVERWRITE = 1 << 5, READ_UNWRITTEN = 1 << 6,
@@ -736,6 +736,135 @@ static PyObject *token_digests(PyObject *self, PyObject *const *args, Py_ssize_t
     Py_RETURN_NONE;
 }
 
+/* ---- the per-request transitions (guard_ref: share_pages, attribute_free, rebind_row,
+ * reset_rows): cheap, but each request makes several, and in torch each costs a dozen operators */
+
+/* share_pages: the prefix cache took row `row`'s pages (args: ctx, pages, n, row, step) */
+static PyObject *share_pages(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    i64 a[5];
+    if (ints(args, nargs, 5, a)) return NULL;
+    const i64 *ctx = PTR(const i64 *, a[0]);
+    Pages P; Rows R;
+    load_pages(&P, ctx + CTX_PAGES);
+    load_rows(&R, ctx + CTX_ROWS);
+    const i64 *pages = PTR(const i64 *, a[1]);
+    const i64 n = a[2], row = a[3], step = a[4];
+    if (row < 0 || row >= ctx[CTX_NUM_ROWS]) Py_RETURN_NONE;
+    for (i64 t = 0; t < n; t++) {
+        const i64 pg = pages[t];
+        if (pg < 0 || pg >= P.num_pages) continue;
+        if (P.state[pg] == OWNED && P.owner[pg] == row && P.owner_gen[pg] == R.gen[row]) {
+            P.prior[pg] = OWNED;
+            P.state[pg] = SHARED;
+            push_history(&P, pg, EV_SHARE, step, row);
+        }
+    }
+    Py_RETURN_NONE;
+}
+
+/* attribute_free: which pages a releasing row may free (args: ctx, pages, n, row, keep out) */
+static PyObject *attribute_free(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    i64 a[5];
+    if (ints(args, nargs, 5, a)) return NULL;
+    const i64 *ctx = PTR(const i64 *, a[0]);
+    Pages P; Rows R;
+    load_pages(&P, ctx + CTX_PAGES);
+    load_rows(&R, ctx + CTX_ROWS);
+    const i64 *pages = PTR(const i64 *, a[1]);
+    const i64 n = a[2], row = a[3];
+    uint8_t *keep = PTR(uint8_t *, a[4]);
+    const int32_t gen = row >= 0 && row < ctx[CTX_NUM_ROWS] ? R.gen[row] : -1;
+    i64 kept = 0;
+    for (i64 t = 0; t < n; t++) {
+        const i64 pg = pages[t];
+        if (pg < 0 || pg >= P.num_pages) { /* not a page: the release drops it */
+            keep[t] = 1;
+            kept++;
+            continue;
+        }
+        const int st = P.state[pg];
+        const int mine = P.owner[pg] == row && P.owner_gen[pg] == gen;
+        const int other = (st == OWNED && !mine) || st == SHARED || (st == ALLOCATED && P.prior[pg] != FREE);
+        keep[t] = (uint8_t)!other;
+        kept += !other;
+    }
+    return PyLong_FromLongLong(kept);
+}
+
+/* rebind_row: the prefix cache replaced the row's own copies of logical pages first.. by its
+ * own (args: ctx, row, first_lpage, old_pages, new_pages, n, page_size, step) */
+static PyObject *rebind_row(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    i64 a[8];
+    if (ints(args, nargs, 8, a)) return NULL;
+    const i64 *ctx = PTR(const i64 *, a[0]);
+    Pages P; Rows R;
+    load_pages(&P, ctx + CTX_PAGES);
+    load_rows(&R, ctx + CTX_ROWS);
+    const i64 row = a[1], first = a[2], n = a[5], ps = a[6], step = a[7];
+    const i64 *old = PTR(const i64 *, a[3]), *neu = PTR(const i64 *, a[4]);
+    if (row < 0 || row >= ctx[CTX_NUM_ROWS]) Py_RETURN_NONE;
+    u64 delta = 0;
+    for (i64 t = 0; t < n; t++) {
+        const i64 o = old[t], w = neu[t], i = first + t;
+        if (o < 0 || o >= P.num_pages || w < 0 || w >= P.num_pages) continue;
+        if (o != w && P.state[w] == SHARED && P.fill[w] == ps && P.fill[o] == ps && P.lpage[w] == i &&
+            P.chain[w] == P.chain[o]) {
+            delta += page_tag(P.epoch[w], i) - page_tag(P.epoch[o], i);
+            push_history(&P, w, EV_REBIND, step, row);
+        }
+    }
+    R.agg[row] = (i64)((u64)R.agg[row] + delta);
+    Py_RETURN_NONE;
+}
+
+/* reset_rows: rows handed to new requests (args: ctx, rows, n) */
+static PyObject *reset_rows(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    i64 a[3];
+    if (ints(args, nargs, 3, a)) return NULL;
+    const i64 *ctx = PTR(const i64 *, a[0]);
+    Rows R;
+    load_rows(&R, ctx + CTX_ROWS);
+    const i64 *rows = PTR(const i64 *, a[1]);
+    const i64 n = a[2];
+    /* every row gets its generation before this call plus one, repeated rows included */
+    int32_t *gen = (int32_t *)malloc(sizeof(int32_t) * (size_t)(n + 1));
+    if (!gen) return PyErr_NoMemory();
+    for (i64 t = 0; t < n; t++) gen[t] = rows[t] >= 0 && rows[t] < ctx[CTX_NUM_ROWS] ? R.gen[rows[t]] + 1 : 0;
+    for (i64 t = 0; t < n; t++) {
+        const i64 r = rows[t];
+        if (r < 0 || r >= ctx[CTX_NUM_ROWS]) continue;
+        R.gen[r] = gen[t];
+        R.n_pages[r] = 0;
+        R.agg[r] = 0;
+        R.chain_len[r] = 0;
+        R.chain_tail[r] = 0;
+    }
+    free(gen);
+    Py_RETURN_NONE;
+}
+
+/* adoptable: would a reader with these prompt tokens adopt these prefix-cache pages, from
+ * position 0 (the hand-off rule, asked at match time)? (args: ctx, page heads (slots), n pages,
+ * tokens, n tokens, seed, page_size). Returns 1 or 0. */
+static PyObject *adoptable(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    i64 a[7];
+    if (ints(args, nargs, 7, a)) return NULL;
+    Pages P;
+    load_pages(&P, PTR(const i64 *, a[0]) + CTX_PAGES);
+    const i64 *heads = PTR(const i64 *, a[1]), *tok = PTR(const i64 *, a[3]);
+    const i64 n = a[2], ntok = a[4], ps = a[6];
+    u64 chain = (u64)a[5];
+    if (ntok < n * ps) return PyLong_FromLong(0);
+    for (i64 i = 0; i < n; i++) {
+        const i64 head = heads[i], pg = head / ps;
+        if (head < 0 || head % ps || pg >= P.num_pages) return PyLong_FromLong(0);
+        for (i64 q = i * ps; q < (i + 1) * ps; q++) chain += chain_term(tok[q], q);
+        if (P.state[pg] != SHARED || P.fill[pg] != ps || P.lpage[pg] != i || (u64)P.chain[pg] != chain)
+            return PyLong_FromLong(0);
+    }
+    return PyLong_FromLong(1);
+}
+
 static PyMethodDef methods[] = {
     {"check_step", (PyCFunction)(void (*)(void))check_step, METH_FASTCALL, "the step check"},
     {"apply_step", (PyCFunction)(void (*)(void))apply_step, METH_FASTCALL, "claims and row records"},
@@ -743,6 +872,11 @@ static PyMethodDef methods[] = {
     {"alloc_pages", (PyCFunction)(void (*)(void))alloc_pages, METH_FASTCALL, "allocator hand-out"},
     {"release_pages", (PyCFunction)(void (*)(void))release_pages, METH_FASTCALL, "pages freed"},
     {"token_digests", (PyCFunction)(void (*)(void))token_digests, METH_FASTCALL, "KV checksums"},
+    {"share_pages", (PyCFunction)(void (*)(void))share_pages, METH_FASTCALL, "prefix cache took pages"},
+    {"attribute_free", (PyCFunction)(void (*)(void))attribute_free, METH_FASTCALL, "frees of a release"},
+    {"rebind_row", (PyCFunction)(void (*)(void))rebind_row, METH_FASTCALL, "prefix cache rebind"},
+    {"reset_rows", (PyCFunction)(void (*)(void))reset_rows, METH_FASTCALL, "rows to new requests"},
+    {"adoptable", (PyCFunction)(void (*)(void))adoptable, METH_FASTCALL, "hand-off rule at match"},
     {NULL, NULL, 0, NULL},
 };
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_guard_cpu", NULL, -1, methods, NULL, NULL, NULL, NULL};
