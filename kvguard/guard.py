@@ -402,6 +402,8 @@ class Guard:
         """Counters reach Prometheus at most every FLUSH_EVERY_S seconds while serving (each
         increment is a write into SGLang's multiprocess metric files, tens of microseconds),
         and at once when the engine goes idle or the pool is flushed."""
+        if not (self._seconds or self._steps or self._hashed):
+            return  # nothing gathered (an idle engine calls this on every loop)
         now = time.monotonic()
         if not force and now - self._flushed_at < FLUSH_EVERY_S:
             return
