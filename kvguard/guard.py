@@ -52,8 +52,13 @@ class Guard:
         engine: EngineControl | None = None,
         metrics: GuardMetrics | None = None,
         kernels: GuardKernels | str | None = None,
+        agreed: bool = False,
     ):
+        """``agreed``: verdicts are agreed with peer ranks at resolve (tensor parallelism)."""
         self.config = config
+        # With peer ranks, a page only another rank flags is still acted on here, at the epoch it
+        # had when checked: every step keeps the whole epoch snapshot (one page-array copy).
+        self.agreed = agreed
         self.device = torch.device(device)
         k = kernels if kernels is not None and not isinstance(kernels, str) else None
         self.kernels: GuardKernels = k or select(
@@ -105,7 +110,9 @@ class Guard:
         check = self.checker.check(x, view.pad_slot)
         self.ledger.apply_step(self.records, x, check)
         verdict = StepVerdict(view=view, inputs=x, check=check)
-        if self.host_reads_free:
+        if self.agreed:
+            verdict.epochs = self.ledger.epoch.clone()
+        elif self.host_reads_free:
             _, tainted, reclaim = check.flags()
             if tainted or reclaim:
                 verdict.epochs = self._snapshot_epochs(check)
@@ -162,7 +169,7 @@ class Guard:
         summary = summary.cpu()
         kinds, taint_mask, reclaim_mask = summary[:B], summary[B : B + P] > 0, summary[B + P :] == 0
         self._report_engine_events(step)
-        if verdict.epochs is None:  # CPU: nothing found locally, but another rank found something
+        if verdict.epochs is None:  # CPU, nothing found: only engine events to report
             verdict.epochs = self._snapshot_epochs(c)
         epochs = verdict.epochs.cpu()
         violations: list[Violation] = []

@@ -45,6 +45,7 @@ def attach(result, scheduler, *args, **kwargs):
         kv_buffers=buffers,
         device=table.device,
         engine=SGLangControl(scheduler),
+        agreed=getattr(scheduler, "tp_size", 1) > 1,
     )
     state.scheduler = scheduler
     log.info(
