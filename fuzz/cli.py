@@ -49,7 +49,9 @@ def parser() -> argparse.ArgumentParser:
         "list (default: paranoid)",
     )
     p.add_argument(
-        "--page-size", action="append", help="1 and/or 16; repeat or comma list (default 16)"
+        "--page-size",
+        action="append",
+        help="SGLang page sizes, e.g. 1, 16, 64; repeat or comma list (default 16)",
     )
     p.add_argument(
         "--out", type=Path, default=None, help="output directory (default runs/fuzz-<seed>)"

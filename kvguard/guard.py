@@ -208,10 +208,9 @@ class Guard:
 
     # -- pool events ------------------------------------------------------------------------------------
     def on_alloc(self, slots: torch.Tensor) -> None:
-        """The engine's allocator handed out slots: its hand-out is authoritative."""
-        t0 = clock()
+        """The engine's allocator handed out slots: its hand-out is authoritative. Queued in the
+        ledger (a list append, not timed) and applied, and timed, by the guard's next entry."""
         self.ledger.allocate(slots, self.step)
-        self._account(t0)
 
     @property
     def release_row(self) -> int | None:
