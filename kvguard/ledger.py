@@ -9,6 +9,8 @@ The state grows with the pool (72 bytes per page), never with rows x context.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from kvguard.kernels import guard_ref
@@ -37,11 +39,13 @@ class PageLedger:
         self.kernels = kernels
         self._pages = PageArrays.empty(self.num_pages, self.device)
         self.num_quarantined = 0  # host count of pages withheld from the engine's free list
-        # Hand-outs not yet applied. On a CPU the forward evicts the caches, and a separate
-        # cold entry into the guard costs ~20x the work it does (~75 us vs ~4 us measured); so
-        # the allocator's hand-outs are applied, in order, by whatever touches the pages next
-        # (the step check right after, as a rule). Every read of ``pages`` applies them first.
-        self._pending: list[tuple[torch.Tensor, int]] = []
+        # Transitions not yet applied: allocator hand-outs, and seals without checksums (tags
+        # mode: a seal only records which tokens landed). On a CPU the forward evicts the
+        # caches, and a separate cold entry into the guard costs ~20x the work it does (~75 us
+        # vs ~4 us measured); so these are applied, in order, by whatever touches the pages next
+        # (the next step check, as a rule). Every read of ``pages`` applies them first. A seal
+        # that hashes bytes is never deferred: a late write must land after it, to be caught.
+        self._pending: list[tuple[Any, ...]] = []
 
     # -- views ------------------------------------------------------------------------------------
     @property
@@ -53,8 +57,11 @@ class PageLedger:
 
     def _apply_pending(self) -> None:
         pending, self._pending = self._pending, []
-        for slots, step in pending:
-            self.kernels.alloc_pages(self._pages, self._here(slots), self.page_size, step)
+        for item in pending:
+            if item[0] == "alloc":
+                self.kernels.alloc_pages(self._pages, self._here(item[1]), self.page_size, item[2])
+            else:
+                self.kernels.seal_step(self._pages, item[1], item[2], [], self.page_size, False)
 
     @property
     def state(self) -> torch.Tensor:
@@ -78,7 +85,7 @@ class PageLedger:
         """The allocator handed out these slots (pages starting at them are new hand-outs),
         applied before the pages are next read or changed. ``slots`` must not change until then
         (SGLang's allocator returns a fresh tensor per call)."""
-        self._pending.append((slots, step))
+        self._pending.append(("alloc", slots, step))
 
     def release(self, pages: torch.Tensor, step: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Pages returned to the engine's free list: (which really go back, which are double
@@ -99,7 +106,11 @@ class PageLedger:
     def seal(
         self, x: StepInputs, check: StepCheck, buffers: list[torch.Tensor], checksums: bool
     ) -> None:
-        """After the forward: the tokens that landed are sealed (and hashed in checksum modes)."""
+        """After the forward: the tokens that landed are sealed (and hashed in checksum modes;
+        without checksums the seal is queued like a hand-out)."""
+        if not checksums and self.device.type == "cpu":
+            self._pending.append(("seal", x, check))
+            return
         self.kernels.seal_step(self.pages, x, check, buffers, self.page_size, checksums)
 
     def share(self, records: RowRecords, slots: torch.Tensor, row: int, step: int) -> None:
