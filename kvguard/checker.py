@@ -32,7 +32,7 @@ class StepChecker:
     ):
         self.ledger = ledger
         self.records = records
-        self.config = config
+        self.config = config  # a property: the mode's constants are worked out once
         self.kv_buffers = list(
             kv_buffers
         )  # every stored byte, slot-major ([k0, v0, ...] or latents)
@@ -42,44 +42,50 @@ class StepChecker:
         # verified (as in paranoid), so readers of a quarantined page whose bytes are intact go on.
         self.escalated = False
 
-    def inputs(self, v: StepView) -> StepInputs:
-        ps = self.ledger.page_size
-        return StepInputs(
-            step=v.step,
-            rows=v.rows,
-            prefix_lens_host=v.prefix_lens_host,
-            write_slots=v.write_slots,
-            write_batch=v.write_batch,
-            write_pos=v.write_pos,
-            write_tokens=v.write_tokens,
-            page_table=v.page_table,
-            seeds=v.tenant_seeds,
-            prefix_tokens=v.prefix_tokens,
-            read_pages_total=sum((n + ps - 1) // ps for n in v.prefix_lens_host),
-            read_tokens_total=sum(v.prefix_lens_host),
+    @property
+    def config(self) -> GuardConfig:
+        return self._config
+
+    @config.setter
+    def config(self, c: GuardConfig) -> None:
+        # What each step's parameters need, once per mode (the step itself is cache-cold on a
+        # CPU: every attribute and branch it skips saves microseconds there).
+        ps, num_pages = self.ledger.page_size, self.ledger.num_pages
+        self._config = c
+        self._sampling = c.mode is Mode.SAMPLED and c.sweep_tokens_per_step > 0
+        self._paranoid = c.mode is Mode.PARANOID
+        self._window_budget = max(1, -(-c.sweep_tokens_per_step // ps))
+        self._sweep_budget = min(
+            num_pages, max(1, -(-(c.sweep_tokens_per_step // 4) * SWEEP_EVERY // ps))
         )
 
+    def inputs(self, v: StepView) -> StepInputs:
+        ps, lens = self.ledger.page_size, v.prefix_lens_host
+        tokens = sum(lens)
+        pages = tokens if ps == 1 else sum([(n + ps - 1) // ps for n in lens])
+        return StepInputs(
+            v.step, v.rows, lens, v.write_slots, v.write_batch, v.write_pos, v.write_tokens,
+            v.page_table, v.tenant_seeds, v.prefix_tokens, pages, tokens,
+        )  # fmt: skip
+
     def params(self, step: int, read_pages: int) -> CheckParams:
-        c, ps, num_pages = self.config, self.ledger.page_size, self.ledger.num_pages
-        sampling = c.mode is Mode.SAMPLED and c.sweep_tokens_per_step > 0
-        verify_all = c.mode is Mode.PARANOID or (c.checksums and self.escalated)
+        checksums = self._config.checksums
+        verify_all = self._paranoid or (checksums and self.escalated)
         window = sweep = 0
-        if sampling and not verify_all and read_pages:
-            window = min(read_pages, max(1, -(-c.sweep_tokens_per_step // ps)))
-        if sampling and step % SWEEP_EVERY == 0:
-            sweep = min(num_pages, max(1, -(-(c.sweep_tokens_per_step // 4) * SWEEP_EVERY // ps)))
+        start = 0
+        if self._sampling:
+            if read_pages and not verify_all:
+                window = min(read_pages, self._window_budget)
+                start = self.window_cursor % read_pages
+                self.window_cursor = (start + window) % read_pages
+            if step % SWEEP_EVERY == 0:
+                sweep = self._sweep_budget
         p = CheckParams(
-            page_size=ps,
-            checksums=c.checksums,
-            verify_all=verify_all,
-            window_start=self.window_cursor % max(read_pages, 1),
-            window_pages=window,
-            sweep_start=self.sweep_cursor,
-            sweep_pages=sweep,
-            pad_slot=0,
-        )
-        self.window_cursor = (p.window_start + window) % max(read_pages, 1)
-        self.sweep_cursor = (self.sweep_cursor + sweep) % num_pages
+            self.ledger.page_size, checksums, verify_all, start, window, self.sweep_cursor,
+            sweep, 0,
+        )  # fmt: skip
+        if sweep:
+            self.sweep_cursor = (self.sweep_cursor + sweep) % self.ledger.num_pages
         return p
 
     def check(self, x: StepInputs, pad_slot: int = 0) -> StepCheck:

@@ -100,8 +100,11 @@ class Guard:
         return self.ledger.nbytes() + self.records.nbytes() + self.kernels.workspace_bytes()
 
     # -- forward ----------------------------------------------------------------------------------------
-    def before_forward(self, view: StepView) -> StepVerdict:
-        t0 = clock()
+    def before_forward(self, view: StepView, t0: float | None = None) -> StepVerdict:
+        """Check the step, apply its claims. ``t0``: when the adapter started building the view
+        (``clock()``), so that its time is counted without a second clock read."""
+        if t0 is None:
+            t0 = clock()
         self.step = view.step
         self.checker.escalated = (
             self.flush_wanted
@@ -125,7 +128,12 @@ class Guard:
         return verdict
 
     def after_forward(self, verdict: StepVerdict) -> None:
-        """Seal what the forward wrote (enqueued after its writes: no sync needed)."""
+        """Seal what the forward wrote (enqueued after its writes: no sync needed). A seal that
+        hashes nothing (tags, on a CPU) is only queued in the ledger: not timed here, it is
+        applied and timed by the next step's check."""
+        if not self.config.checksums and self.host_reads_free:
+            self.ledger.seal(verdict.inputs, verdict.check, self.checker.kv_buffers, False)
+            return
         t0 = clock()
         self.ledger.seal(
             verdict.inputs, verdict.check, self.checker.kv_buffers, self.config.checksums
@@ -143,13 +151,23 @@ class Guard:
 
         ``agree(tensor) -> tensor``: with tensor parallelism each rank hashes its own KV heads, so
         verdicts can differ; the adapter passes an all-reduce (bitwise OR) over the ranks so that
-        every rank aborts, quarantines and reclaims exactly the same things."""
-        t0 = clock()
+        every rank aborts, quarantines and reclaims exactly the same things.
+
+        A clean step on a CPU (its flags came back with the check) returns at once, untimed:
+        reading a thread-CPU clock in a cache-cold moment would cost more than the step's
+        whole resolve."""
         if self._unresolved is verdict:
             self._unresolved = None
         c = verdict.check
-        step = verdict.view.step
         events = bool(self._double_freed or self._stale_freed)
+        if agree is None and not events and self.host_reads_free:
+            flagged, tainted, reclaim = c.flags()
+            if not (flagged or tainted or reclaim):
+                self._hashed += c.tokens_hashed()
+                self._flush_metrics()
+                return []  # a clean step: nothing to gather
+        t0 = clock()
+        step = verdict.view.step
         if agree is None and not events:
             flagged, tainted, reclaim = c.flags()
             self._hashed += c.tokens_hashed()

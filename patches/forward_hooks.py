@@ -44,10 +44,10 @@ def around_model_forward(original, runner, forward_batch, *args, **kwargs):
         try:
             t0 = clock()
             view = step_view(forward_batch, batch, runner.forward_pass_id + 1)
-            guard.charge(t0)
             if view is not None:
-                verdict = guard.before_forward(view)
+                verdict = guard.before_forward(view, t0)  # counts the view's building too
             else:
+                guard.charge(t0)
                 _count_unchecked(forward_batch)
         except Exception:  # a guard bug must cost the batch's requests, never the scheduler
             log.exception("kvguard_check_failed")
