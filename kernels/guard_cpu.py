@@ -26,11 +26,11 @@ def _ptr(t: torch.Tensor | None) -> int:
 
 
 def _ok(t: torch.Tensor) -> bool:
-    return t.dtype == _I64 and t.device.type == "cpu" and t.is_contiguous()
+    return t.dtype is _I64 and t.is_cpu and t.is_contiguous()  # (cheapest torch getters)
 
 
 def _need(t: torch.Tensor, dtype: torch.dtype, what: str) -> torch.Tensor:
-    if t.device.type != "cpu":
+    if not t.is_cpu:
         raise ValueError(f"{what} must be on the CPU for the compiled CPU kernels")
     if t.dtype != dtype:
         t = t.to(dtype)

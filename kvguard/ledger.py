@@ -36,6 +36,7 @@ class PageLedger:
         self.num_slots = num_slots  # including the padding slots SGLang reserves
         self.num_pages = (num_slots + page_size - 1) // page_size
         self.device = torch.device(device)
+        self._on_cpu = self.device.type == "cpu"
         self.kernels = kernels
         self._pages = PageArrays.empty(self.num_pages, self.device)
         self.num_quarantined = 0  # host count of pages withheld from the engine's free list
@@ -72,6 +73,8 @@ class PageLedger:
         return self.pages.epoch
 
     def _here(self, t: torch.Tensor) -> torch.Tensor:
+        if self._on_cpu and t.is_cpu:  # (``t.device`` builds a device object: slow when cold)
+            return t
         return t if t.device == self.device else t.to(self.device)
 
     def pages_of(self, slots: torch.Tensor) -> torch.Tensor:
@@ -108,7 +111,7 @@ class PageLedger:
     ) -> None:
         """After the forward: the tokens that landed are sealed (and hashed in checksum modes;
         without checksums the seal is queued like a hand-out)."""
-        if not checksums and self.device.type == "cpu":
+        if not checksums and self._on_cpu:
             self._pending.append(("seal", x, check))
             return
         self.kernels.seal_step(self.pages, x, check, buffers, self.page_size, checksums)

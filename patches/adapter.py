@@ -65,7 +65,9 @@ def step_view(fb, batch, step: int) -> StepView | None:
         else fb.input_ids.to(torch.int64),
         page_table=state.scheduler.req_to_token_pool.req_to_token,
         prefix_tokens=prefix_tokens,
-        tenant_seeds=tenant_seeds(batch.reqs, loc.device, guard.config.tenant_isolation),
+        tenant_seeds=(
+            tenant_seeds(batch.reqs, loc.device, True) if guard.config.tenant_isolation else None
+        ),
         request_ids=[req.rid for req in batch.reqs],
         pad_slot=0,  # SGLang's padding slot: written by padded tokens, read by no request
     )
