@@ -53,6 +53,20 @@ def guard_counters(srv: ServeProcess) -> tuple[float, float]:
     )
 
 
+def settled_counters(srv: ServeProcess, timeout_s: float = 5.0) -> tuple[float, float]:
+    """The guard counters once the scheduler has flushed them: it sends them at most every
+    0.5 s while serving and at once when idle, so read until two readings agree (else a
+    round's tail would be counted in the next round)."""
+    last, deadline = guard_counters(srv), time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        time.sleep(0.25)
+        now = guard_counters(srv)
+        if now == last:
+            return now
+        last = now
+    return last
+
+
 async def _stream(session, url, prompt, max_new_tokens):
     body = {
         **({"input_ids": prompt} if isinstance(prompt, list) else {"text": prompt}),
@@ -139,7 +153,7 @@ def main(argv=None):
         srv.flush_cache()  # every round starts from an empty prefix cache (and a reset ledger)
         before = guard_counters(srv)
         res = asyncio.run(run_round(srv.url, prompts, a.max_new_tokens))
-        after = guard_counters(srv)
+        after = settled_counters(srv)
         # Host time inside guard hooks during this round, as a share of the round's wall time:
         # the scheduler is one thread, so this is what the guard adds to its steps.
         res["guard_seconds"], res["guard_steps"] = after[0] - before[0], after[1] - before[1]
