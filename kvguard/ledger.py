@@ -86,9 +86,10 @@ class PageLedger:
     # -- transitions (engine events) ----------------------------------------------------------------
     def allocate(self, slots: torch.Tensor, step: int) -> None:
         """The allocator handed out these slots (pages starting at them are new hand-outs),
-        applied before the pages are next read or changed. ``slots`` must not change until then
-        (SGLang's allocator returns a fresh tensor per call)."""
-        self._pending.append(("alloc", slots, step))
+        applied before the pages are next read or changed. A copy is queued: the engine's own
+        tensor is the step's ``out_cache_loc``, which a bug (or the fault injector) may rewrite
+        before the forward, and what the allocator handed out must stay what it handed out."""
+        self._pending.append(("alloc", slots.clone(), step))
 
     def release(self, pages: torch.Tensor, step: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Pages returned to the engine's free list: (which really go back, which are double
