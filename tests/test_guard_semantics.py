@@ -105,3 +105,19 @@ def test_state_grows_with_pages_not_with_rows_times_context():
     est = guard_bytes(small.num_slots, 16, 8)
     assert est["ledger"] == g.ledger.nbytes() and est["records"] == g.records.nbytes()
     assert est["workspace"] <= g.kernels.workspace_bytes() <= est["workspace"] + (1 << 17)
+
+
+@pytest.mark.parametrize("mode", ["tags", "sampled"])
+def test_a_hand_out_is_what_the_allocator_returned(mode):
+    """Hand-outs are applied lazily (at the next read of the ledger's pages), but as the
+    allocator returned them: the engine's tensor is the step's out_cache_loc, and rewriting it
+    before the forward (a bug; the fuzz injector's shared_write) must not hand out the new slot."""
+    pool = _pool(mode, 16)
+    st = pool.guard.ledger.state
+    free = torch.nonzero(st == PageState.FREE).reshape(-1)
+    a, b = int(free[1]), int(free[2])
+    slots = torch.tensor([a * 16], dtype=torch.int64)
+    pool.guard.on_alloc(slots)
+    slots[0] = b * 16  # rewritten in place after the allocator returned it
+    st = pool.guard.ledger.state
+    assert st[a] == PageState.ALLOCATED and st[b] == PageState.FREE
