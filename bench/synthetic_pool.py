@@ -79,7 +79,7 @@ class SyntheticPool:
         kernels: str | GuardKernels | None = None,
         layers: int = 2,
         row_bytes: int = 16,
-        sweep_tokens_per_step: int = 1024,
+        sweep_tokens_per_step: int = 512,
         seed: int = 0,
         device: str = "cpu",
     ):

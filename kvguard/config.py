@@ -26,7 +26,7 @@ class GuardConfig:
     # sampled mode, per step: this many tokens of the batch's read set are re-hashed (a rolling
     # window, so a read set this small is fully verified every step), and a quarter as many
     # resting ones on average (swept in batches every 8 steps).
-    sweep_tokens_per_step: int = 1024
+    sweep_tokens_per_step: int = 512
     tenant_isolation: bool = False  # bind a request's tenant into its prefix chain
 
     def __post_init__(self) -> None:

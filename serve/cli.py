@@ -57,7 +57,7 @@ def kvguard_parser() -> argparse.ArgumentParser:
         type=int,
         metavar="N",
         help="sampled mode: KV tokens of the batch's read set re-hashed per step, plus a quarter "
-        "as many resting ones (env KVGUARD_SWEEP_TOKENS_PER_STEP; default 1024)",
+        "as many resting ones (env KVGUARD_SWEEP_TOKENS_PER_STEP; default 512)",
     )
     g.add_argument(
         "--kvguard-tenant-isolation",

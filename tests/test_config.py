@@ -12,7 +12,7 @@ from kvguard.config import ConfigError, GuardConfig, Mode
 
 def test_defaults():
     c = GuardConfig()
-    assert (c.mode, c.sweep_tokens_per_step, c.tenant_isolation) == (Mode.SAMPLED, 1024, False)
+    assert (c.mode, c.sweep_tokens_per_step, c.tenant_isolation) == (Mode.SAMPLED, 512, False)
     assert c.enabled and c.checksums
 
 
