@@ -131,7 +131,7 @@ class Guard:
         """Seal what the forward wrote (enqueued after its writes: no sync needed). A seal that
         hashes nothing (tags, on a CPU) is only queued in the ledger: not timed here, it is
         applied and timed by the next step's check."""
-        if not self.config.checksums and self.host_reads_free:
+        if not self.config.checksums and self.ledger.queues:
             self.ledger.seal(verdict.inputs, verdict.check, self.checker.kv_buffers, False)
             return
         t0 = clock()
@@ -226,9 +226,15 @@ class Guard:
 
     # -- pool events ------------------------------------------------------------------------------------
     def on_alloc(self, slots: torch.Tensor) -> None:
-        """The engine's allocator handed out slots: its hand-out is authoritative. Queued in the
-        ledger (a list append, not timed) and applied, and timed, by the guard's next entry."""
+        """The engine's allocator handed out slots: its hand-out is authoritative. On a CPU pool
+        it is queued in the ledger (a copy and an append, not timed) and applied, and timed, by
+        the guard's next entry; elsewhere applied (and timed) here."""
+        if self.ledger.queues:
+            self.ledger.allocate(slots, self.step)
+            return
+        t0 = clock()
         self.ledger.allocate(slots, self.step)
+        self._account(t0)
 
     @property
     def release_row(self) -> int | None:

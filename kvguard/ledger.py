@@ -40,7 +40,7 @@ class PageLedger:
         self.kernels = kernels
         # Queue transitions only where a separate entry costs more than the work: host kernels
         # on a CPU pool. A GPU (Triton) backend enqueues each transition as a launch anyway.
-        self._queues = self._on_cpu and getattr(kernels, "name", "") != "triton"
+        self.queues = self._on_cpu and getattr(kernels, "name", "") != "triton"
         self._pages = PageArrays.empty(self.num_pages, self.device)
         self.num_quarantined = 0  # host count of pages withheld from the engine's free list
         # Transitions not yet applied: allocator hand-outs, and seals without checksums (tags
@@ -92,7 +92,7 @@ class PageLedger:
         applied before the pages are next read or changed. A copy is queued: the engine's own
         tensor is the step's ``out_cache_loc``, which a bug (or the fault injector) may rewrite
         before the forward, and what the allocator handed out must stay what it handed out."""
-        if not self._queues:
+        if not self.queues:
             self.kernels.alloc_pages(self.pages, self._here(slots), self.page_size, step)
             return
         self._pending.append(("alloc", slots.clone(), step))
@@ -118,7 +118,7 @@ class PageLedger:
     ) -> None:
         """After the forward: the tokens that landed are sealed (and hashed in checksum modes;
         without checksums the seal is queued like a hand-out)."""
-        if not checksums and self._queues:
+        if not checksums and self.queues:
             self._pending.append(("seal", x, check))
             return
         self.kernels.seal_step(self.pages, x, check, buffers, self.page_size, checksums)
