@@ -260,6 +260,16 @@ def kv_scales_file(model_dir: Path, windows: list[list[int]], out: Path) -> dict
             layer.self_attn.k_proj.register_forward_hook(k_hook),
             layer.self_attn.v_proj.register_forward_hook(v_hook),
         ]
+    return write_kv_scales(model, windows, hooks, amax, out)
+
+
+def write_kv_scales(model, windows: list[list[int]], hooks: list, amax: dict[int, float],
+                    out: Path) -> dict[int, float]:  # fmt: skip
+    """Run the calibration windows through ``model`` (whose forward ``hooks`` record each
+    layer's max |KV value| in ``amax``), remove the hooks, and write the per-layer FP8 scales
+    (max / 448) in SGLang's ``--quantization-param-path`` format. Returns the scales."""
+    import torch
+
     with torch.no_grad():
         for i in range(0, len(windows), 8):
             model(input_ids=torch.tensor(windows[i : i + 8]))
@@ -267,7 +277,7 @@ def kv_scales_file(model_dir: Path, windows: list[list[int]], out: Path) -> dict
         h.remove()
     scales = {i: a / 448.0 for i, a in sorted(amax.items())}
     doc = {
-        "model_type": cfg.model_type,
+        "model_type": model.config.model_type,
         "kv_cache": {
             "dtype": "float8_e4m3fn",
             "scaling_factor": {"0": {str(i): s for i, s in scales.items()}},

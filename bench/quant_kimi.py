@@ -42,6 +42,7 @@ from kvguard.bench.quant import (
     hf_perplexity,
     prompts,
     sglang_perplexity,
+    write_kv_scales,
 )
 
 
@@ -126,21 +127,7 @@ def mla_kv_scales_file(model_dir: Path, windows: list[list[int]], out: Path) -> 
             attn.kv_a_layernorm.register_forward_hook(latent_hook),
             attn.kv_a_proj_with_mqa.register_forward_hook(rope_hook),
         ]
-    with torch.no_grad():
-        for i in range(0, len(windows), 8):
-            model(input_ids=torch.tensor(windows[i : i + 8]))
-    for h in hooks:
-        h.remove()
-    scales = {i: a / 448.0 for i, a in sorted(amax.items())}
-    doc = {
-        "model_type": cfg.model_type,
-        "kv_cache": {
-            "dtype": "float8_e4m3fn",
-            "scaling_factor": {"0": {str(i): s for i, s in scales.items()}},
-        },
-    }
-    out.write_text(json.dumps(doc, indent=2))
-    return scales
+    return write_kv_scales(model, windows, hooks, amax, out)
 
 
 def measure(a, work: Path) -> str:
