@@ -160,23 +160,18 @@ class Guard:
             self._unresolved = None
         c = verdict.check
         events = bool(self._double_freed or self._stale_freed)
-        if agree is None and not events and self.host_reads_free:
-            flagged, tainted, reclaim = c.flags()
-            if not (flagged or tainted or reclaim):
-                self._hashed += c.tokens_hashed()
-                self._flush_metrics()
-                return []  # a clean step: nothing to gather
-        t0 = clock()
-        step = verdict.view.step
+        t0 = None if self.host_reads_free else clock()  # a GPU's flag read is real work
+        self._hashed += c.tokens_hashed()
         if agree is None and not events:
             flagged, tainted, reclaim = c.flags()
-            self._hashed += c.tokens_hashed()
             if not (flagged or tainted or reclaim):
-                self._account(t0)
+                if t0 is not None:
+                    self._account(t0)
                 self._flush_metrics()
                 return []  # a clean step: nothing to gather
-        else:
-            self._hashed += c.tokens_hashed()
+        if t0 is None:
+            t0 = clock()
+        step = verdict.view.step
         B = len(verdict.view.prefix_lens_host)
         P = self.ledger.num_pages
         kinds = c.kinds[:B].to(torch.int64)
