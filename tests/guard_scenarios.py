@@ -3,21 +3,40 @@ semantics tests and the kernel-equivalence tests.
 
 Each scenario runs requests through ``bench.synthetic_pool.SyntheticPool`` and corrupts it the
 way an engine bug would (page table, allocator, prefix cache, KV bytes), never through the
-guard. It returns ``(expected_flagged, pool, requests)``: the request ids that must be aborted
-(the victims), where the scenario knows them (None for scenarios whose victims depend on the
-checksum mode: bit flips in tags mode are not detected).
+guard. It returns the ids of its victims: the requests whose KV went wrong, which a mode that
+can see the corruption must abort (and no other). A scenario that changes stored bytes behind
+every tag, which only checksums can see, notes when in ``BYTES_CHANGED``: what each mode promises
+for it is when its victims are aborted (``tests/test_guard_semantics.py``).
 """
 
 from __future__ import annotations
 
 import random
+import weakref
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
 from kvguard.bench.synthetic_pool import Request, SyntheticPool
 
-Scenario = Callable[[SyntheticPool], set[str] | None]
+Scenario = Callable[[SyntheticPool], set[str]]
+
+
+@dataclass(frozen=True, slots=True)
+class BytesChanged:
+    """Stored bytes changed behind the guard: the pool's step count then (the next forward is
+    the first to read them), and the read lengths of the batch that reads them next."""
+
+    step: int
+    read_lens: tuple[int, ...]
+
+
+BYTES_CHANGED: weakref.WeakKeyDictionary[SyntheticPool, BytesChanged] = weakref.WeakKeyDictionary()
+
+
+def _bytes_changed(pool: SyntheticPool, readers: list[Request]) -> None:
+    BYTES_CHANGED[pool] = BytesChanged(pool.step, tuple(r.length for r in readers))
 
 
 def _tokens(rng: random.Random, n: int) -> list[int]:
@@ -249,24 +268,26 @@ def never_written(pool: SyntheticPool) -> set[str]:
     return {c.rid}
 
 
-def bit_flip_private(pool: SyntheticPool) -> set[str] | None:
+def bit_flip_private(pool: SyntheticPool) -> set[str]:
     """A bit of a's private page flips at rest."""
     a, b = _two(pool)
     pool.bufs[0][a.pages[1] * pool.ps, 0, 0] ^= 1
+    _bytes_changed(pool, [a, b])
     _decode(pool, [a, b], steps=10)
-    return None if pool.guard.config.mode.value != "paranoid" else {a.rid}
+    return {a.rid}
 
 
-def bit_flip_shared(pool: SyntheticPool) -> set[str] | None:
+def bit_flip_shared(pool: SyntheticPool) -> set[str]:
     """A bit of a shared prefix page flips: every reader of it is a victim."""
     a, b = _two(pool)
     c = _sharer(pool, a)
     pool.bufs[2][a.pages[0] * pool.ps, 1, 3] ^= 16
+    _bytes_changed(pool, [a, b, c])
     _decode(pool, [a, b, c], steps=10)
-    return None if pool.guard.config.mode.value != "paranoid" else {a.rid, c.rid}
+    return {a.rid, c.rid}
 
 
-def read_before_ready(pool: SyntheticPool) -> set[str] | None:
+def read_before_ready(pool: SyntheticPool) -> set[str]:
     """A prefix page's bytes are not what was sealed when c adopts it (a late load)."""
     a, b = _two(pool)
     ps = pool.ps
@@ -275,10 +296,11 @@ def read_before_ready(pool: SyntheticPool) -> set[str] | None:
     saved = pool.bufs[1][a.pages[0] * ps].clone()
     pool.bufs[1][a.pages[0] * ps] ^= 0x5A
     c = pool.admit(a.tokens[: full * ps] + [7] * (60 + ps), prefix=a, prefix_pages=full)
+    _bytes_changed(pool, [c])
     pool.forward([c], 10, prefix_hit=True)
     pool.bufs[1][a.pages[0] * ps] = saved  # the load lands
     _decode(pool, [a, b])
-    return None if pool.guard.config.mode.value == "tags" else {c.rid}
+    return {c.rid}
 
 
 def position_gap(pool: SyntheticPool) -> set[str]:
