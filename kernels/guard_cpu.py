@@ -175,6 +175,15 @@ class CpuStepCheck(StepCheck):
     def tokens_hashed(self) -> int:
         return self._hashed + self.sealed_hashed
 
+    def marked_pages(self) -> torch.Tensor:
+        marks = self.ws.marks
+        n = int(marks[0])
+        if n > marks.numel() - 1:  # more than the list holds: the reference's scan
+            return super().marked_pages()
+        pages = marks[1 : 1 + n]
+        ws = self.ws
+        return pages[ws.taint[pages] | ws.reclaim[pages]]
+
 
 class CpuKernels:
     name = "cpu"

@@ -142,6 +142,11 @@ class StepCheck:
     def tokens_hashed(self) -> int:
         return int(self.hashed.sum())
 
+    def marked_pages(self) -> torch.Tensor:
+        """[k] int64 the pages tainted or to reclaim (a scan here; compiled backends keep the
+        list as they mark them, so a flagged step costs what it flagged, not the pool)."""
+        return torch.nonzero(self.taint | self.reclaim).reshape(-1)
+
 
 # -- small shared pieces ---------------------------------------------------------------------------
 def page_tag(epoch: torch.Tensor, lpage: torch.Tensor) -> torch.Tensor:

@@ -34,6 +34,7 @@ class Event(IntEnum):
     ALLOC = 6
     RECLAIM = 7  # a freed page still validly held: taken back from the free list
     REBIND = 8  # the prefix cache replaced a row's own copy of this page by its own
+    SCRUB = 9  # a quarantined page's bytes zeroed and its entry reset: back in service
 
 
 HISTORY = 4  # events kept per page

@@ -6,14 +6,12 @@ from __future__ import annotations
 
 from typing import Protocol
 
-import structlog
 import torch
 
 from kvguard.ledger import PageLedger
 from kvguard.metrics import GuardMetrics
+from kvguard.ratelimit import RateLimitedLog
 from kvguard.verdict import Kind, Violation, new_violation_id
-
-log = structlog.get_logger("kvguard")
 
 
 class EngineControl(Protocol):
@@ -27,10 +25,17 @@ class EngineControl(Protocol):
 
 
 class Actions:
-    def __init__(self, ledger: PageLedger, metrics: GuardMetrics, engine: EngineControl | None):
+    def __init__(
+        self,
+        ledger: PageLedger,
+        metrics: GuardMetrics,
+        engine: EngineControl | None,
+        log: RateLimitedLog | None = None,
+    ):
         self.ledger = ledger
         self.metrics = metrics
         self.engine = engine
+        self.log = log or RateLimitedLog(metrics)
         self.history: list[Violation] = []  # recent violations, for tests and the debug endpoint
         self.num_violations = 0  # since start: the engine's own consistency checks may now trip
         self.num_quarantined_total = 0
@@ -43,35 +48,39 @@ class Actions:
                 self.engine.abort(handle, violation)
                 self.metrics.requests_aborted.inc()
 
-    def quarantine(self, pages: torch.Tensor, epochs: torch.Tensor, step: int) -> int:
-        """Withhold pages whose content was proven bad (unless handed out again since)."""
-        pages = pages[pages > 0]  # page 0 is the engine's padding page
+    def quarantine(
+        self, pages: torch.Tensor, epochs: torch.Tensor, step: int
+    ) -> tuple[int, torch.Tensor]:
+        """Mark pages whose content was proven bad (unless handed out again since; ``epochs``:
+        theirs when checked, one per page). Costs the pages, never the pool: the engine keeps
+        holding them until its holders release them, and then they are scrubbed. Returns (how
+        many were quarantined now, those of them nobody held: to be scrubbed at once)."""
+        keep = pages > 0  # page 0 is the engine's padding page
+        pages, epochs = pages[keep], epochs[keep]
         if pages.numel() == 0:
-            return 0
-        new, were_free = self.ledger.quarantine(pages, epochs[pages], step)
+            return 0, pages
+        dev = self.ledger.device
+        new, were_free = self.ledger.quarantine(pages.to(dev), epochs.to(dev), step)
         self.num_quarantined_total += int(new.numel())
         self.metrics.pages_quarantined.inc(int(new.numel()))
-        if self.engine is not None and were_free.numel():
-            # Pages the engine still holds are counted by it until it releases them (then the
-            # release withholds them); only pages taken out of its free list are ours to count.
-            self.ledger.num_quarantined += self.engine.withhold_pages(were_free)
-        return int(new.numel())
+        return int(new.numel()), were_free
 
     def reclaim(self, pages: torch.Tensor, epochs: torch.Tensor, step: int) -> None:
         """Pages freed while a reader still validly held them (caught before reuse): take them
-        back from the free list, so the reader's KV stays intact; report the engine bug."""
-        pages = pages[pages > 0]
+        back from the free list, so the reader's KV stays intact; report the engine bug.
+        ``epochs``: theirs when checked, one per page."""
+        keep = pages > 0
+        pages, epochs = pages[keep], epochs[keep]
         if pages.numel() == 0:
             return
-        back = self.ledger.reclaim(pages, epochs[pages], step)
+        dev = self.ledger.device
+        back = self.ledger.reclaim(pages.to(dev), epochs.to(dev), step)
         if back.numel() == 0:
             return
         if self.engine is not None:
             self.engine.withhold_pages(back)
         self.num_reclaimed_total += int(back.numel())
-        self.engine_event(
-            Kind.PREMATURE_FREE, step, [self.ledger.describe(int(p)) for p in back[:8].tolist()]
-        )
+        self.engine_event(Kind.PREMATURE_FREE, step, self.ledger.describe_many(back[:8].tolist()))
 
     def engine_event(self, kinds: Kind, step: int, pages: list[dict[str, object]]) -> None:
         """A violation with no request to abort (double free, stale free, premature free)."""
@@ -80,7 +89,7 @@ class Actions:
     def _record(self, violation: Violation) -> None:
         for kind in violation.kinds.names():
             self.metrics.violations.labels(kind=kind).inc()
-        log.error("kv_integrity_violation", **violation.as_event())
+        self.log("error", "kv_integrity_violation", **violation.as_event())
         self.history.append(violation)
         del self.history[:-256]
         self.num_violations += 1

@@ -28,6 +28,9 @@ class GuardConfig:
     # resting ones on average (swept in batches every 8 steps).
     sweep_tokens_per_step: int = 512
     tenant_isolation: bool = False  # bind a request's tenant into its prefix chain
+    # Pages quarantined at once, as a fraction of the pool, at which the guard fails closed
+    # (server unhealthy, new requests refused; quarantined pages return to service scrubbed).
+    quarantine_cap: float = 0.01
 
     def __post_init__(self) -> None:
         if not isinstance(self.mode, Mode):
@@ -43,6 +46,15 @@ class GuardConfig:
             raise ConfigError(
                 f"sweep_tokens_per_step must be an integer >= 0, got {self.sweep_tokens_per_step!r}"
             )
+        cap = self.quarantine_cap
+        if isinstance(cap, bool) or not isinstance(cap, (int, float)) or not 0 < cap <= 1:
+            raise ConfigError(
+                f"quarantine_cap must be a fraction of the pool in (0, 1], got {cap!r}"
+            )
+
+    def quarantine_cap_pages(self, num_pages: int) -> int:
+        """The cap in pages for a pool of ``num_pages`` (at least one page)."""
+        return max(1, int(num_pages * self.quarantine_cap))
 
     @property
     def enabled(self) -> bool:
@@ -54,8 +66,8 @@ class GuardConfig:
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None, **overrides: Any) -> GuardConfig:
-        """Read ``KVGUARD_MODE``, ``KVGUARD_SWEEP_TOKENS_PER_STEP``, ``KVGUARD_TENANT_ISOLATION``
-        (``overrides`` that are not None win over the environment)."""
+        """Read ``KVGUARD_MODE``, ``KVGUARD_SWEEP_TOKENS_PER_STEP``, ``KVGUARD_TENANT_ISOLATION``,
+        ``KVGUARD_QUARANTINE_CAP`` (``overrides`` that are not None win over the environment)."""
         environ = os.environ if environ is None else environ
         values: dict[str, Any] = {}
         for f in fields(cls):
@@ -89,6 +101,11 @@ def _parse(name: str, raw: str, typ: object) -> object:
         if low in ("0", "false", "no", "off"):
             return False
         raise ConfigError(f"KVGUARD_{name.upper()}={raw!r} is not a boolean (use 1/0, true/false)")
+    if "float" in typ:
+        try:
+            return float(raw)
+        except ValueError:
+            raise ConfigError(f"KVGUARD_{name.upper()}={raw!r} is not a number") from None
     if "int" in typ:
         try:
             return int(raw)

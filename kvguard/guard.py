@@ -14,29 +14,77 @@ Data flows one way: engine event -> ledger (and records) -> checker -> verdict -
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import Protocol
 
+import structlog
 import torch
 
 from kvguard.actions import Actions, EngineControl
 from kvguard.checker import StepChecker
 from kvguard.config import GuardConfig, Mode
+from kvguard.health import GuardHealth
 from kvguard.kernels import guard_ref
 from kvguard.kernels.backend import GuardKernels, select
 from kvguard.ledger import PageLedger, PageState
 from kvguard.metrics import GuardMetrics
+from kvguard.ratelimit import RateLimitedLog
 from kvguard.records import RowRecords
 from kvguard.step import StepView
 from kvguard.verdict import Kind, StepVerdict, Violation, forensic_record, new_violation_id
 
-Agreement = Callable[[torch.Tensor], torch.Tensor]
+log = structlog.get_logger("kvguard")
+PageEpochs = tuple[torch.Tensor, torch.Tensor]  # host (pages, their epochs when checked)
+_NO_PAGES: PageEpochs = (torch.empty(0, dtype=torch.int64), torch.empty(0, dtype=torch.int64))
+
+
+def _union(lists: list[PageEpochs]) -> PageEpochs:
+    pages = torch.cat([p for p, _ in lists])
+    epochs = torch.cat([e for _, e in lists])
+    if pages.numel() == 0:
+        return _NO_PAGES
+    uniq, inverse = torch.unique(pages, return_inverse=True)
+    first = torch.full_like(uniq, pages.numel()).scatter_reduce(
+        0, inverse, torch.arange(pages.numel()), reduce="amin"
+    )
+    return uniq, epochs[first]
+
+
+def _intersection(lists: list[PageEpochs]) -> PageEpochs:
+    pages, epochs = lists[0]
+    for other, _ in lists[1:]:
+        keep = torch.isin(pages, other)
+        pages, epochs = pages[keep], epochs[keep]
+    return pages, epochs
+
 
 # The guard's own time is the CPU time of the thread running its hooks: on a machine whose
 # cores the scheduler shares (tokenizer, detokenizer, clients), wall time inside a hook also
 # counts the moments the thread was preempted by others.
 clock = time.thread_time
 FLUSH_EVERY_S = 0.5
+
+
+class PeerRanks(Protocol):
+    """The tensor-parallel peers a verdict is agreed with (an engine adapter provides it). Every
+    rank calls the same methods in the same order, once per step."""
+
+    def or_words(self, words: torch.Tensor) -> torch.Tensor:
+        """Bitwise OR of a small host int64 tensor over every rank."""
+        ...
+
+    def gather(self, item: object) -> list[object]:
+        """Every rank's ``item`` (a few pages at most), in rank order."""
+        ...
+
+
+# The flag word that closes a step's agreement: what the per-request kinds do not say.
+TAINTED, RECLAIMING, FAILED = 1, 2, 4
+# After a quarantine, every read is verified (readers of a quarantined page whose bytes are
+# intact go on) while quarantined pages are still held, for at most this many steps: past it a
+# read of a still-quarantined page that was not verified that step is a violation again.
+ESCALATION_STEPS = 1024
 
 
 class Guard:
@@ -52,13 +100,13 @@ class Guard:
         engine: EngineControl | None = None,
         metrics: GuardMetrics | None = None,
         kernels: GuardKernels | str | None = None,
-        agreed: bool = False,
+        peers: PeerRanks | None = None,
     ):
-        """``agreed``: verdicts are agreed with peer ranks at resolve (tensor parallelism)."""
+        """``peers``: verdicts are agreed with these ranks at resolve (tensor parallelism). A
+        clean step agrees on its batch's verdict bits and one flag word; pages move only on a
+        step some rank flagged, as lists of (page, epoch)."""
         self.config = config
-        # With peer ranks, a page only another rank flags is still acted on here, at the epoch it
-        # had when checked: every step keeps the whole epoch snapshot (one page-array copy).
-        self.agreed = agreed
+        self.peers = peers
         self.device = torch.device(device)
         k = kernels if kernels is not None and not isinstance(kernels, str) else None
         self.kernels: GuardKernels = k or select(
@@ -69,11 +117,12 @@ class Guard:
         self.checker = StepChecker(self.ledger, self.records, config, kv_buffers)
         self.kernels.bind(self.ledger.pages, self.records.rows, self.checker.kv_buffers)
         self.metrics = metrics or GuardMetrics.default()
-        self.actions = Actions(self.ledger, self.metrics, engine)
+        self.log = RateLimitedLog(self.metrics)
+        self.actions = Actions(self.ledger, self.metrics, engine, self.log)
+        self.health = GuardHealth(config.quarantine_cap_pages(self.ledger.num_pages))
+        self.health.listeners.append(self._health_changed)
         self.step = 0
-        self.flush_wanted = (
-            False  # a quarantine happened: the engine should drop its caches when idle
-        )
+        self.last_quarantine_step = -(1 << 62)
         self._release_row: int | None = None
         self._double_freed: list[torch.Tensor] = []  # pages released twice, reported at resolve
         self._stale_freed: list[torch.Tensor] = []  # pages a stale holder tried to free
@@ -82,6 +131,15 @@ class Guard:
         self._seconds, self._steps, self._tokens, self._hashed = 0.0, 0, 0, 0  # not yet flushed
         self._flushed_at = 0.0
         self.metrics.state_bytes.set(self.state_bytes)
+        self.metrics.quarantine_cap_pages.set(self.health.quarantine_cap_pages)
+        self.metrics.quarantined_pages.set(0)
+        self.metrics.healthy.set(1)
+
+    @property
+    def flush_wanted(self) -> bool:
+        """Quarantined pages are still held (by the prefix cache, as a rule): the engine should
+        drop its caches at its next idle moment, so they are released and scrubbed."""
+        return self.ledger.num_quarantined > 0
 
     # -- configuration --------------------------------------------------------------------------------
     def set_mode(self, mode: Mode | str) -> None:
@@ -107,18 +165,20 @@ class Guard:
             t0 = clock()
         self.step = view.step
         self.checker.escalated = (
-            self.flush_wanted
-        )  # a quarantine not yet flushed: verify every read
+            self.ledger.num_quarantined > 0
+            and view.step - self.last_quarantine_step <= ESCALATION_STEPS
+        )
         x = self.checker.inputs(view)
         check = self.checker.check(x, view.pad_slot)
         self.ledger.apply_step(self.records, x, check)
         verdict = StepVerdict(view=view, inputs=x, check=check)
-        if self.agreed:
-            verdict.epochs = self.ledger.epoch.clone()
-        elif self.host_reads_free:
+        # The epochs of flagged pages as checked: a page handed out again before the verdict is
+        # read is its new owner's. On a CPU only flagged pages, from the check's own list.
+        if self.host_reads_free:
             _, tainted, reclaim = check.flags()
             if tainted or reclaim:
-                verdict.epochs = self._snapshot_epochs(check)
+                pages = check.marked_pages()
+                verdict.suspects = (pages, self.ledger.epoch[pages])
         else:
             verdict.epochs = self._snapshot_epochs(check)
         self._unresolved = verdict
@@ -144,80 +204,177 @@ class Guard:
         e = self.ledger.epoch
         return torch.where(check.taint | check.reclaim, e, torch.full_like(e, -1))
 
-    def resolve(
-        self, verdict: StepVerdict, handles: list[object], agree: Agreement | None = None
-    ) -> list[Violation]:
+    def resolve(self, verdict: StepVerdict | None, handles: list[object]) -> list[Violation]:
         """Read a step's verdict (the caller has synced) and act on it. Returns the violations.
+        ``verdict`` None: the step could not be checked (the adapter's check or seal failed):
+        every request of it fails closed.
 
-        ``agree(tensor) -> tensor``: with tensor parallelism each rank hashes its own KV heads, so
-        verdicts can differ; the adapter passes an all-reduce (bitwise OR) over the ranks so that
-        every rank aborts, quarantines and reclaims exactly the same things.
+        With peers (tensor parallelism) each rank hashes its own KV heads, so verdicts can
+        differ: the batch's verdict bits and a flag word are OR-ed over the ranks, and only on a
+        step some rank flagged do the flagged pages follow, as (page, epoch) lists; so every
+        rank aborts, quarantines and takes back exactly the same things. A rank whose guard
+        failed still joins the agreement, with a failure flag: no peer is left waiting.
 
-        A clean step on a CPU (its flags came back with the check) returns at once, untimed:
-        reading a thread-CPU clock in a cache-cold moment would cost more than the step's
-        whole resolve."""
+        A clean step on a single CPU rank (its flags came back with the check) returns at once,
+        untimed: reading a thread-CPU clock in a cache-cold moment would cost more than the
+        step's whole resolve."""
         if self._unresolved is verdict:
             self._unresolved = None
-        c = verdict.check
+        B = len(handles)
         events = bool(self._double_freed or self._stale_freed)
         t0 = None if self.host_reads_free else clock()  # a GPU's flag read is real work
-        self._hashed += c.tokens_hashed()
-        if agree is None and not events:
-            flagged, tainted, reclaim = c.flags()
-            if not (flagged or tainted or reclaim):
-                if t0 is not None:
-                    self._account(t0)
-                self._flush_metrics()
-                return []  # a clean step: nothing to gather
+        kinds, word = None, FAILED
+        if verdict is not None:
+            try:
+                c = verdict.check
+                self._hashed += c.tokens_hashed()
+                flagged, tainted, reclaim = c.flags()
+                if self.peers is None and not (events or flagged or tainted or reclaim):
+                    if t0 is not None:
+                        self._account(t0)
+                    self.health.step_succeeded()
+                    self._flush_metrics()
+                    return []  # a clean step: nothing to agree on or gather
+                kinds = c.kinds[:B].to(torch.int64).cpu() if flagged or self.peers else None
+                word = (TAINTED if tainted else 0) | (RECLAIMING if reclaim else 0)
+            except Exception as exc:
+                self.internal_error("resolve", exc)
+                kinds, word = None, FAILED
         if t0 is None:
             t0 = clock()
-        step = verdict.view.step
-        B = len(verdict.view.prefix_lens_host)
-        P = self.ledger.num_pages
-        kinds = c.kinds[:B].to(torch.int64)
-        # reclaim travels as its complement so that the OR makes it unanimous across ranks
-        summary = torch.cat((kinds, c.taint.to(torch.int64), (~c.reclaim).to(torch.int64)))
-        if agree is not None:
-            summary = agree(summary)
-        summary = summary.cpu()
-        kinds, taint_mask, reclaim_mask = summary[:B], summary[B : B + P] > 0, summary[B + P :] == 0
-        self._report_engine_events(step)
-        if verdict.epochs is None:  # CPU, nothing found: only engine events to report
-            verdict.epochs = self._snapshot_epochs(c)
-        epochs = verdict.epochs.cpu()
+        if kinds is None:
+            fill = int(Kind.GUARD_ERROR) if word & FAILED else 0
+            kinds = torch.full((B,), fill, dtype=torch.int64)
+        summary = torch.cat((kinds, torch.tensor([word], dtype=torch.int64)))
+        if self.peers is not None:
+            summary = self.peers.or_words(summary)
+        kinds, word = summary[:B], int(summary[B])
+        if word & FAILED:  # some rank could not check this step: nothing of it is served
+            kinds = kinds | int(Kind.GUARD_ERROR)
+        to_quarantine: PageEpochs | None = None
+        to_reclaim: PageEpochs | None = None
+        if word & (TAINTED | RECLAIMING):
+            to_quarantine, to_reclaim = self._agreed_pages(verdict)
         violations: list[Violation] = []
-        bad: list[object] = []
-        for b in torch.nonzero(kinds).reshape(-1).tolist():
-            violations.append(
-                forensic_record(verdict, b, Kind(int(kinds[b])), self.ledger, self.records)
-            )
-            bad.append(handles[b])
-        self.actions.abort(violations, bad)
-        quarantined = self.actions.quarantine(torch.nonzero(taint_mask).reshape(-1), epochs, step)
-        self.actions.reclaim(torch.nonzero(reclaim_mask).reshape(-1), epochs, step)
-        self.flush_wanted |= quarantined > 0
+        try:
+            self._report_engine_events(self.step if verdict is None else verdict.view.step)
+            violations = self._act(verdict, handles, kinds, to_quarantine, to_reclaim)
+        except Exception as exc:  # acting failed: fail the whole batch closed
+            self.internal_error("resolve", exc)
+            violations = self._fail_closed(handles)
+        if verdict is not None and not word & FAILED:
+            self.health.step_succeeded()
         self._account(t0)
         self._flush_metrics()
         return violations
 
-    def resolve_failed(self, handles: list[object], agree: Agreement | None = None) -> None:
-        """The step could not be checked: abort all its requests (with tensor parallelism, after
-        the same all-reduce the other ranks make, so that they abort them too)."""
-        B, P = len(handles), self.ledger.num_pages
-        kinds = torch.full((B,), int(Kind.GUARD_ERROR), dtype=torch.int64)
-        if agree is not None:  # no taint, nothing to reclaim (reclaim travels as its complement)
-            agree(
-                torch.cat(
-                    (kinds, torch.zeros(P, dtype=torch.int64), torch.ones(P, dtype=torch.int64))
-                )
-            )
+    def _agreed_pages(self, verdict: StepVerdict | None) -> tuple[PageEpochs, PageEpochs]:
+        """(tainted, reclaimable) pages with their epochs when checked, agreed over the ranks:
+        tainted on any rank, reclaimable on every rank. A rank that cannot say sends None: then
+        nothing is taken back, and the others' tainted pages are still quarantined."""
+        mine: tuple[PageEpochs, PageEpochs] | None = None
+        if verdict is not None:
+            try:
+                mine = self._my_pages(verdict)
+            except Exception as exc:
+                self.internal_error("resolve", exc)
+        if self.peers is None:
+            return mine if mine is not None else (_NO_PAGES, _NO_PAGES)
+        every = self.peers.gather(mine)
+        known = [m for m in every if m is not None]
+        if not known:
+            return _NO_PAGES, _NO_PAGES
+        taint = _union([m[0] for m in known])  # type: ignore[index]
+        reclaim = _intersection([m[1] for m in every]) if len(known) == len(every) else _NO_PAGES  # type: ignore[index]
+        return taint, reclaim
+
+    def _my_pages(self, verdict: StepVerdict) -> tuple[PageEpochs, PageEpochs]:
+        """This rank's flagged pages, as host (pages, epochs) pairs."""
+        c = verdict.check
+        if verdict.suspects is not None:
+            pages, epochs = verdict.suspects
+        elif verdict.epochs is not None:
+            pages = torch.nonzero(c.taint | c.reclaim).reshape(-1)
+            epochs = verdict.epochs[pages]
+        else:  # CPU, nothing flagged here
+            return _NO_PAGES, _NO_PAGES
+        t, r = c.taint[pages], c.reclaim[pages]
+        pages, epochs, t, r = (x.cpu() for x in (pages, epochs, t, r))
+        return (pages[t], epochs[t]), (pages[r], epochs[r])
+
+    def _act(
+        self,
+        verdict: StepVerdict | None,
+        handles: list[object],
+        kinds: torch.Tensor,
+        taint: PageEpochs | None,
+        reclaim: PageEpochs | None,
+    ) -> list[Violation]:
+        step = self.step if verdict is None else verdict.view.step
+        violations: list[Violation] = []
+        bad: list[object] = []
+        for b in torch.nonzero(kinds).reshape(-1).tolist():
+            kind = Kind(int(kinds[b]))
+            if verdict is None or kind == Kind.GUARD_ERROR:
+                rid = getattr(handles[b], "rid", None)
+                violations.append(Violation(new_violation_id(), kind, step, rid, None))
+            else:
+                violations.append(forensic_record(verdict, b, kind, self.ledger, self.records))
+            bad.append(handles[b])
+        self.actions.abort(violations, bad)
+        if taint is not None and taint[0].numel():
+            self._quarantine(taint, step)
+        if reclaim is not None and reclaim[0].numel():
+            self.actions.reclaim(reclaim[0], reclaim[1], step)
+        return violations
+
+    def _quarantine(self, taint: PageEpochs, step: int) -> None:
+        new, were_free = self.actions.quarantine(taint[0], taint[1], step)
+        if new:
+            self.last_quarantine_step = step
+        if were_free.numel():  # nobody holds them: back to service at once, scrubbed
+            self._scrub(were_free)
+        self._quarantine_changed()
+
+    def _fail_closed(self, handles: list[object]) -> list[Violation]:
         violations = [
             Violation(
                 new_violation_id(), Kind.GUARD_ERROR, self.step, getattr(h, "rid", None), None
             )
             for h in handles
         ]
-        self.actions.abort(violations, handles)
+        try:
+            self.actions.abort(violations, handles)
+        except Exception as exc:
+            self.internal_error("abort", exc)
+        return violations
+
+    def internal_error(self, hook: str, exc: BaseException) -> None:
+        """A hook of the guard raised: counted, logged (rate-limited, with its traceback), and
+        the health told; the caller fails what that hook guarded closed."""
+        self.metrics.internal_errors.labels(hook=hook).inc()
+        self.log("error", "kvguard_internal_error", hook=hook, step=self.step, exc_info=exc)
+        if hook in ("check", "seal", "resolve"):  # a step that could not be checked
+            self.health.step_failed(hook)
+
+    def _health_changed(self, reason: str | None) -> None:
+        self.metrics.healthy.set(1 if reason is None else 0)
+        if reason is None:
+            log.warning("kvguard_healthy_again")
+        else:
+            log.error("kvguard_failed_closed", reason=reason)
+
+    def _quarantine_changed(self) -> None:
+        n = self.ledger.num_quarantined
+        self.metrics.quarantined_pages.set(n)
+        self.health.quarantined(n)
+
+    def _scrub(self, pages: torch.Tensor) -> torch.Tensor:
+        done = self.ledger.scrub(pages, self.checker.kv_buffers, self.step)
+        if done.numel():
+            self.metrics.pages_scrubbed.inc(int(done.numel()))
+            self._quarantine_changed()
+        return done
 
     # -- pool events ------------------------------------------------------------------------------------
     def on_alloc(self, slots: torch.Tensor) -> None:
@@ -260,16 +417,17 @@ class Guard:
 
     def on_release(self, pages: torch.Tensor) -> torch.Tensor:
         """Pages go back to the engine's free list. Returns the pages that really may be reused:
-        a double free is not pushed twice, a quarantined page is withheld."""
+        a double free is not pushed twice, a quarantined page goes back only scrubbed."""
         t0 = clock()
         pages = pages.to(torch.int64)
         keep, double = self.ledger.release(pages, self.step)
         if bool(double.any()):  # a sync on GPU, like the torch.unique SGLang's free already does
             self._double_freed.append(pages[double])
-        withheld = self.ledger.state[pages] == PageState.QUARANTINED
-        if self.actions.num_quarantined_total:
-            self.ledger.num_quarantined += int(withheld.sum())
         out = pages[keep]
+        if self.ledger.num_quarantined:  # a quarantined page's last holder let it go: scrub it
+            bad = pages[~keep & ~double]
+            if bad.numel():
+                out = torch.cat((out, self._scrub(bad).to(out.device)))
         self._account(t0)
         return out
 
@@ -306,10 +464,14 @@ class Guard:
         self._account(t0)
 
     def reset(self) -> None:
-        """The engine cleared its pool: every page free, no record, nothing quarantined."""
-        self.ledger.reset()
+        """The engine cleared its pool: every page free, no record, nothing quarantined (the
+        quarantined pages' bytes scrubbed first: a flush returns them to service too)."""
+        n = self.ledger.num_quarantined
+        self.ledger.reset(self.checker.kv_buffers)
+        if n:
+            self.metrics.pages_scrubbed.inc(n)
+        self._quarantine_changed()
         self.records.reset()
-        self.actions.num_quarantined_total = 0
         self._double_freed.clear()
         self._stale_freed.clear()
         self._flush_metrics(force=True)
@@ -376,9 +538,12 @@ class Guard:
         return bool(ok.all())
 
     def holds_quarantined(self, slots: torch.Tensor) -> bool:
-        """Slow path (only once something was quarantined): does this slot list touch one?"""
+        """Slow path (only while something is quarantined): does this slot list touch one?"""
+        t0 = clock()
         pages = self.ledger.pages_of(slots.to(self.device))
-        return bool((self.ledger.state[pages] == PageState.QUARANTINED).any())
+        out = bool((self.ledger.state[pages] == PageState.QUARANTINED).any())
+        self._account(t0)
+        return out
 
     def private_pages(self, row: int) -> torch.Tensor:
         """Pages the ledger says this row's request owns privately (slow path: aborted requests)."""
@@ -386,10 +551,6 @@ class Guard:
         gen = self.records.rows.gen[row]
         mine = (P.owner == row) & (P.owner_gen == gen) & (P.state == PageState.OWNED)
         return torch.nonzero(mine).reshape(-1)
-
-    @property
-    def num_quarantined_slots(self) -> int:
-        return self.ledger.num_quarantined * self.ledger.page_size
 
     def status(self) -> dict[str, object]:
         """This guard as plain builtins (start-up handshake, /server_info)."""
@@ -401,6 +562,8 @@ class Guard:
             "num_pages": self.ledger.num_pages,
             "kernels": self.kernels.name,
             "state_bytes": self.state_bytes,
+            "quarantine_cap_pages": self.health.quarantine_cap_pages,
+            "healthy": self.health.healthy,
         }
 
     # -- internals ----------------------------------------------------------------------------------------
@@ -412,9 +575,7 @@ class Guard:
             if pending:
                 pages = torch.unique(torch.cat(pending)).cpu()
                 pending.clear()
-                self.actions.engine_event(
-                    kind, step, [self.ledger.describe(int(p)) for p in pages[:8].tolist()]
-                )
+                self.actions.engine_event(kind, step, self.ledger.describe_many(pages[:8].tolist()))
 
     def _account(self, t0: float) -> None:
         self._seconds += clock() - t0

@@ -42,7 +42,7 @@ class PageLedger:
         # on a CPU pool. A GPU (Triton) backend enqueues each transition as a launch anyway.
         self.queues = self._on_cpu and getattr(kernels, "name", "") != "triton"
         self._pages = PageArrays.empty(self.num_pages, self.device)
-        self.num_quarantined = 0  # host count of pages withheld from the engine's free list
+        self.num_quarantined = 0  # host count of pages QUARANTINED now
         # Transitions not yet applied: allocator hand-outs, and seals without checksums (tags
         # mode: a seal only records which tokens landed). On a CPU the forward evicts the
         # caches, and a separate cold entry into the guard costs ~20x the work it does (~75 us
@@ -130,14 +130,46 @@ class PageLedger:
     def quarantine(
         self, pages: torch.Tensor, epochs: torch.Tensor, step: int
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        return guard_ref.quarantine_pages(self.pages, pages, epochs, step)
+        """Pages whose content was proven bad (unless handed out again since ``epochs``).
+        Returns (pages quarantined now, those of them that were free)."""
+        new, were_free = guard_ref.quarantine_pages(self.pages, pages, epochs, step)
+        self.num_quarantined += int(new.numel())
+        return new, were_free
+
+    def scrub(self, pages: torch.Tensor, buffers: list[torch.Tensor], step: int) -> torch.Tensor:
+        """Quarantined pages nobody holds any more go back to service: their bytes zeroed in
+        every KV buffer (nothing of the bad content can be read again), their entry reset to
+        FREE with QUARANTINED as its prior (a stale reader of it is a wrong owner, never a
+        premature free to take back). Returns the pages scrubbed (each once)."""
+        P, ps = self.pages, self.page_size
+        pages = torch.unique(self._here(pages).to(torch.int64))
+        pages = pages[P.state[pages] == PageState.QUARANTINED]
+        if pages.numel() == 0:
+            return pages
+        slots = (pages[:, None] * ps + torch.arange(ps, device=pages.device)).reshape(-1)
+        for b in buffers:
+            rows = b.view(b.shape[0], -1)
+            rows.index_fill_(0, slots[slots < rows.shape[0]].to(rows.device), 0)
+        P.prior[pages] = PageState.QUARANTINED
+        P.state[pages] = PageState.FREE
+        P.fill[pages] = 0
+        P.digest[pages] = 0
+        P.chain[pages] = 0
+        P.lpage[pages] = -1
+        guard_ref._push_history(P, pages, Event.SCRUB, step, NO_ROW)
+        self.num_quarantined -= int(pages.numel())
+        return pages
 
     def reclaim(self, pages: torch.Tensor, epochs: torch.Tensor, step: int) -> torch.Tensor:
         return guard_ref.reclaim_pages(self.pages, pages, epochs, step)
 
-    def reset(self) -> None:
-        """The engine cleared its pool (flush): every page free, nothing quarantined."""
+    def reset(self, buffers: list[torch.Tensor] | None = None) -> None:
+        """The engine cleared its pool (flush): every page free, nothing quarantined. Pages
+        that were quarantined are scrubbed first: a flush must not hand their bytes out."""
         self._pending.clear()  # hand-outs before the clear are void
+        if self.num_quarantined and buffers is not None:
+            bad = torch.nonzero(self._pages.state == PageState.QUARANTINED).reshape(-1)
+            self.scrub(bad, buffers, 0)
         fresh = PageArrays.empty(self.num_pages, self.device)
         for mine, new in zip(self._pages.tensors(), fresh.tensors()):
             mine.copy_(new)
@@ -152,34 +184,56 @@ class PageLedger:
         self.pages.prior[newly] = st[newly]
         self.pages.state[newly] = PageState.FREE
         guard_ref._push_history(self.pages, newly, Event.FREE, step, NO_ROW)
-        self.num_quarantined = int(((st == PageState.QUARANTINED) & ~held).sum())
         return free
 
     # -- forensics and self-checks --------------------------------------------------------------------
     def describe(self, page: int) -> dict[str, object]:
         """Host-side snapshot of one page (slow path: violations only)."""
+        return self.describe_many([page])[0]
+
+    def describe_many(self, pages: list[int]) -> list[dict[str, object]]:
+        """Host-side snapshots of these pages, read in one gather (slow path)."""
+        if not pages:
+            return []
         P = self.pages
-        hist = []
-        for v in P.history[page].tolist():
-            if v == 0:
-                continue
-            row = v & NO_ROW
-            hist.append(
+        idx = torch.tensor(pages, dtype=torch.int64, device=P.state.device)
+        cols = torch.stack(
+            [
+                P.state[idx].to(torch.int64),
+                P.epoch[idx],
+                P.owner[idx].to(torch.int64),
+                P.lpage[idx].to(torch.int64),
+                P.fill[idx].to(torch.int64),
+            ],
+            dim=1,
+        ).cpu()
+        hist = P.history[idx].cpu().tolist()
+        out: list[dict[str, object]] = []
+        for page, (state, epoch, owner, lpage, fill), entries in zip(pages, cols.tolist(), hist):
+            events = []
+            for v in entries:
+                if v == 0:
+                    continue
+                row = v & NO_ROW
+                events.append(
+                    {
+                        "step": v >> 24,
+                        "event": Event((v >> 20) & 0xF).name.lower(),
+                        "row": None if row == NO_ROW else row,
+                    }
+                )
+            out.append(
                 {
-                    "step": v >> 24,
-                    "event": Event((v >> 20) & 0xF).name.lower(),
-                    "row": None if row == NO_ROW else row,
+                    "page": page,
+                    "state": PageState(state).name.lower(),
+                    "epoch": epoch,
+                    "owner_row": owner,
+                    "logical_page": lpage,
+                    "sealed_tokens": fill,
+                    "history": events,
                 }
             )
-        return {
-            "page": page,
-            "state": PageState(int(P.state[page])).name.lower(),
-            "epoch": int(P.epoch[page]),
-            "owner_row": int(P.owner[page]),
-            "logical_page": int(P.lpage[page]),
-            "sealed_tokens": int(P.fill[page]),
-            "history": hist,
-        }
+        return out
 
     def check_integrity(self, free_pages: torch.Tensor, tree_pages: torch.Tensor) -> None:
         """The ledger against the engine, when idle: every page in the engine's free list is
@@ -211,9 +265,9 @@ class PageLedger:
                 f"{busy.numel()} pages OWNED or ALLOCATED with no request running (e.g. {busy[:4].tolist()})"
             )
         quarantined = int((st == PageState.QUARANTINED).sum())
-        if quarantined < self.num_quarantined:
+        if quarantined != self.num_quarantined:
             problems.append(
-                f"{self.num_quarantined} pages counted withheld but {quarantined} quarantined"
+                f"{self.num_quarantined} pages counted quarantined but {quarantined} are"
             )
         if problems:
             raise IntegrityError("kvguard ledger disagrees with the engine: " + "; ".join(problems))

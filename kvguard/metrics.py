@@ -41,6 +41,36 @@ class GuardMetrics:
         self.unchecked_forwards = Counter(
             "unchecked_forwards", "Forwards that ran without the guard's check (must stay 0)", **kw
         )
+        self.internal_errors = Counter(
+            "internal_errors",
+            "Guard failures (its own code raised); the affected step's requests fail closed",
+            ["hook"],
+            **kw,
+        )
+        self.log_suppressed = Counter(
+            "log_suppressed", "Guard log lines dropped by the storm rate limit", **kw
+        )
+        self.pages_scrubbed = Counter(
+            "pages_scrubbed", "Quarantined KV pages scrubbed and returned to service", **kw
+        )
+        self.quarantined_pages = Gauge(
+            "quarantined_pages",
+            "KV pages quarantined now (held by the engine until released, then scrubbed)",
+            multiprocess_mode="livesum",
+            **kw,
+        )
+        self.quarantine_cap_pages = Gauge(
+            "quarantine_cap_pages",
+            "Quarantined pages at which the guard fails closed",
+            multiprocess_mode="livesum",
+            **kw,
+        )
+        self.healthy = Gauge(
+            "healthy",
+            "1 while the guard vouches for its server; 0 once it failed closed",
+            multiprocess_mode="livemin",
+            **kw,
+        )
         self.state_bytes = Gauge(
             "state_bytes",
             "Device bytes of the guard's own state (ledger + records), summed over schedulers",

@@ -60,9 +60,12 @@ class StepVerdict:
     view: StepView
     inputs: StepInputs
     check: StepCheck
-    # epoch of each tainted or reclaimable page when the step was checked (-1 elsewhere; None:
-    # neither): a page handed out again before the verdict is read is the new owner's
+    # epoch of each tainted or reclaimable page when the step was checked, a page handed out
+    # again before the verdict is read being the new owner's: [P] (-1 elsewhere) on a GPU,
+    # where the check's flags are not on the host yet ...
     epochs: torch.Tensor | None = None
+    # ... and on a CPU, only the flagged pages: (pages, epochs); None: nothing flagged
+    suspects: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
 @dataclass(slots=True)
@@ -98,29 +101,40 @@ def forensic_record(
     verdict: StepVerdict, b: int, kinds: Kind, ledger: PageLedger, records: RowRecords
 ) -> Violation:
     """Slow path: name request b's suspect pages (read or written), with what the ledger holds
-    and why each one is suspect."""
+    and why each one is suspect. The request's pages are read in one gather, the suspects'
+    histories in another (each field read page by page would be a device sync each)."""
     v, c, ps = verdict.view, verdict.check, ledger.page_size
     P = ledger.pages
     row = int(v.rows[b])
     n = v.prefix_lens_host[b]
     gen = int(records.rows.gen[row])
-    suspects: dict[int, dict[str, object]] = {}
+    reasons: dict[int, list[dict[str, object]]] = {}
 
     def note(page: int, why: str, position: int, slot: int, write: bool = False) -> None:
-        if page not in suspects and len(suspects) >= 8:
+        if page not in reasons and len(reasons) >= 8:
             return
-        entry = suspects.setdefault(page, {**ledger.describe(page), "positions": []})
-        positions = entry["positions"]
-        assert isinstance(positions, list)
+        positions = reasons.setdefault(page, [])
         if len(positions) < 8:
             positions.append({"position": position, "slot": slot, "write": write, "why": why})
 
-    heads = v.page_table[row, :n:ps].to(torch.int64).cpu().tolist() if n else []
+    heads_t = v.page_table[row, :n:ps].to(torch.int64) if n else torch.empty(0, dtype=torch.int64)
+    pg_t = torch.div(heads_t, ps, rounding_mode="floor").to(P.state.device)
+    cols = torch.stack(
+        [
+            P.state[pg_t].to(torch.int64),
+            P.owner[pg_t].to(torch.int64),
+            P.owner_gen[pg_t].to(torch.int64),
+            P.lpage[pg_t].to(torch.int64),
+            P.fill[pg_t].to(torch.int64),
+            c.taint[pg_t].to(torch.int64),
+        ]
+    ).cpu()
+    heads = heads_t.cpu().tolist()
     for i, head in enumerate(heads):
         pg = head // ps
-        st, owner, og = int(P.state[pg]), int(P.owner[pg]), int(P.owner_gen[pg])
+        st, owner, og, lpage, fill, tainted = (int(x) for x in cols[:, i])
         at = {"position": i * ps, "slot": head}
-        if head % ps or int(P.lpage[pg]) != i:
+        if head % ps or lpage != i:
             note(pg, "misplaced", **at)
         if st == 1 and (owner != row or og != gen):
             note(pg, "owned_by_another_row", **at)
@@ -128,17 +142,20 @@ def forensic_record(
             note(pg, "freed" if st == 0 else "handed_out_again", **at)
         if st == 3:
             note(pg, "quarantined", **at)
-        if int(P.fill[pg]) < min(ps, n - i * ps):
+        if fill < min(ps, n - i * ps):
             note(pg, "unsealed_tokens", **at)
-        if bool(c.taint[pg]):
+        if tainted:
             note(pg, "content_bad", **at)
     mine = torch.nonzero(verdict.inputs.batch_index().cpu() == b).reshape(-1)
-    for j in mine.tolist():
-        if not bool(c.write_ok[j]):
+    if mine.numel():
+        ok = c.write_ok[mine.to(c.write_ok.device)].cpu()
+        for j in mine[~ok].tolist():
             t = int(c.targets[j])
             note(t // ps, "write_refused", int(v.write_pos[j]), t, write=True)
-    if not suspects and heads:  # only the row's page-tag sum disagrees: a page was swapped
+    if not reasons and heads:  # only the row's page-tag sum disagrees: a page was swapped
         for i, head in enumerate(heads[:8]):
             note(head // ps, "row_tags_disagree", i * ps, head)
+    described = ledger.describe_many(list(reasons))
+    suspects = [{**d, "positions": reasons[int(d["page"])]} for d in described]  # type: ignore[call-overload]
     rid = v.request_ids[b] if v.request_ids else None
-    return Violation(new_violation_id(), kinds, v.step, rid, row, list(suspects.values()))
+    return Violation(new_violation_id(), kinds, v.step, rid, row, suspects)

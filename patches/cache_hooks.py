@@ -3,49 +3,73 @@ the guard found bad are refused, so the request prefills from scratch instead of
 
 from __future__ import annotations
 
-import structlog
-
 from kvguard.guard import clock
 from kvguard.patches import state
 from kvguard.patches.tenancy import namespace_of, namespace_seed
 
-log = structlog.get_logger("kvguard")
-
 
 # -- UnifiedRadixCache.checkpoint_into_tree (AROUND) ---------------------------------------------------------
 def around_checkpoint_into_tree(original, cache, req, *args, **kwargs):
+    """The tree's own insert always runs once. If the guard fails before it, the request's KV
+    stays out of the tree (only what the tree already holds is inserted); if it fails after,
+    the pages the tree took are not known as shared, so the next reader of them is refused."""
     if not state.on() or not req.kv.holds_kv:
         return original(cache, req, *args, **kwargs)
-    row = int(req.kv.req_pool_idx)
-    if state.single_rank() and "up_to" in kwargs and state.guard.suspect_before_resolve(req.rid):
+    guard = state.guard
+    try:
+        plan = _before_insert(cache, req, kwargs)
+    except Exception as exc:
+        guard.internal_error("insert", exc)
+        plan = "bar"
+    if plan == "skip":
+        return None
+    if plan == "bar" and "up_to" in kwargs:
+        kwargs["up_to"] = min(kwargs["up_to"], req.kv.cache_protected_len)
+    out = original(cache, req, *args, **kwargs)
+    if isinstance(plan, tuple):
+        try:
+            _after_insert(req, *plan)
+        except Exception as exc:
+            guard.internal_error("insert", exc)
+    return out
+
+
+def _before_insert(cache, req, kwargs):  # type: ignore[no-untyped-def]
+    """What to do with this insert: "skip" it, "bar" the request's own KV from the tree, or
+    (row, start, slots before) to follow it."""
+    guard = state.guard
+    if state.single_rank() and "up_to" in kwargs and guard.suspect_before_resolve(req.rid):
         # Flagged by a step whose verdict is not read yet (it aborts this request next): what it
         # computed stays out of the prefix cache. Inserting only the part the tree already
         # holds keeps SGLang's own bookkeeping (locks, release of the rest) on its usual path.
-        log.warning("kvguard_tree_insert_skipped", request=req.rid, reason="flagged")
-        kwargs["up_to"] = min(kwargs["up_to"], req.kv.cache_protected_len)
-        return original(cache, req, *args, **kwargs)
-    if state.guard.actions.num_quarantined_total and _insert_meets_quarantine(
-        cache, req, kwargs.get("up_to")
-    ):
+        guard.log("warning", "kvguard_tree_insert_skipped", request=req.rid, reason="flagged")
+        return "bar"
+    if guard.ledger.num_quarantined and _insert_meets_quarantine(cache, req, kwargs.get("up_to")):
         # The tree would swap this request's pages for its own copies, quarantined ones among
         # them: keep the request on its own pages (as if barred from the tree this once).
-        log.warning("kvguard_tree_insert_skipped", request=req.rid)
-        return None
+        guard.log("warning", "kvguard_tree_insert_skipped", request=req.rid)
+        return "skip"
     t0 = clock()
+    row = int(req.kv.req_pool_idx)
     table = state.scheduler.req_to_token_pool.req_to_token
     start = req.kv.cache_protected_len
     before = table[row, start : kwargs.get("up_to", start)].clone()
-    state.guard.charge(t0)
-    out = original(cache, req, *args, **kwargs)
-    if req.kv.holds_kv:
-        shared = req.kv.cache_protected_len
-        # The tree replaced the row's own copies of pages it already held by its own ones.
-        after = table[row, start : min(shared, start + before.numel())]
-        if after.numel():
-            state.guard.on_rebind(row, start, before[: after.numel()], after)
-        if shared:
-            state.guard.on_share(table[row, :shared], row)
-    return out
+    guard.charge(t0)
+    return (row, start, before)
+
+
+def _after_insert(req, row: int, start: int, before) -> None:  # type: ignore[no-untyped-def]
+    if not req.kv.holds_kv:
+        return
+    guard = state.guard
+    table = state.scheduler.req_to_token_pool.req_to_token
+    shared = req.kv.cache_protected_len
+    # The tree replaced the row's own copies of pages it already held by its own ones.
+    after = table[row, start : min(shared, start + before.numel())]
+    if after.numel():
+        guard.on_rebind(row, start, before[: after.numel()], after)
+    if shared:
+        guard.on_share(table[row, :shared], row)
 
 
 def _insert_meets_quarantine(cache, req, up_to) -> bool:
@@ -70,8 +94,16 @@ def around_match_prefix(original, cache, params, *args, **kwargs):
     result = original(cache, params, *args, **kwargs)
     if not state.on() or not result.device_prefix_len:
         return result
+    try:
+        return _judged_hit(cache, params, result)
+    except Exception as exc:  # the step check still judges the hit's adoption
+        state.guard.internal_error("match", exc)
+        return result
+
+
+def _judged_hit(cache, params, result):  # type: ignore[no-untyped-def]
     guard = state.guard
-    quarantine = bool(guard.actions.num_quarantined_total)
+    quarantine = bool(guard.ledger.num_quarantined)
     pending = state.single_rank() and guard.unread_taint()  # bad pages, verdict not read yet
     slots = cache.path_device_indices(result.last_device_node)[: result.device_prefix_len]
     refuse = (quarantine and guard.holds_quarantined(slots)) or (
@@ -90,7 +122,8 @@ def around_match_prefix(original, cache, params, *args, **kwargs):
     from sglang.srt.mem_cache.base_prefix_cache import zero_match_result
 
     req = getattr(params, "req", None)
-    log.warning(
+    guard.log(
+        "warning",
         "kvguard_prefix_hit_refused",
         request=getattr(req, "rid", None),
         prefix_len=result.device_prefix_len,

@@ -4,15 +4,10 @@ batch's requests (aborted, never served unchecked), never the scheduler."""
 
 from __future__ import annotations
 
-import structlog
-import torch
-
 from kvguard.guard import clock
 from kvguard.patches import state
 from kvguard.patches.adapter import step_view
 from kvguard.patches.control import release_aborted
-
-log = structlog.get_logger("kvguard")
 
 
 # -- TpModelWorker.forward_batch_generation (AROUND) ---------------------------------------------------
@@ -37,31 +32,36 @@ def around_model_forward(original, runner, forward_batch, *args, **kwargs):
     guard = state.guard
     if guard is None or not guard.active:
         return original(runner, forward_batch, *args, **kwargs)
-    view = verdict = None
-    if batch is None:
-        _count_unchecked(forward_batch)  # a forward outside the scheduler's batch path
-    else:
-        try:
-            t0 = clock()
-            view = step_view(forward_batch, batch, runner.forward_pass_id + 1)
-            if view is not None:
-                verdict = guard.before_forward(view, t0)  # counts the view's building too
-            else:
-                guard.charge(t0)
-                _count_unchecked(forward_batch)
-        except Exception:  # a guard bug must cost the batch's requests, never the scheduler
-            log.exception("kvguard_check_failed")
-            verdict = GUARD_FAILED
-            # Unchecked writes must not land either: the whole batch writes to the padding slot
-            # (its requests are aborted at resolve), so nobody else's KV can change.
+    verdict = None
+    try:
+        t0 = clock()
+        view = (
+            None if batch is None else step_view(forward_batch, batch, runner.forward_pass_id + 1)
+        )
+        if view is not None:
+            verdict = guard.before_forward(view, t0)  # counts the view's building too
+        else:
+            guard.charge(t0)
+            if _reads_kv(forward_batch):
+                # A forward the guard does not model (it did not come through the scheduler's
+                # batch path, or its mode is unknown): it fails closed like a failed check.
+                guard.metrics.unchecked_forwards.inc()
+                raise UncheckedForward(f"unchecked forward ({forward_batch.forward_mode})")
+    except Exception as exc:  # a guard failure costs the batch's requests, never the scheduler
+        guard.internal_error("check", exc)
+        verdict = GUARD_FAILED
+        # Unchecked writes must not land either: the whole batch writes to the padding slot
+        # (its requests are aborted at resolve), so nobody else's KV can change.
+        if forward_batch.out_cache_loc is not None:
             forward_batch.out_cache_loc.fill_(0)
+    if batch is not None:
         state.local.verdict = verdict
     out = original(runner, forward_batch, *args, **kwargs)
     if verdict is not None and verdict is not GUARD_FAILED:
         try:
             guard.after_forward(verdict)
-        except Exception:
-            log.exception("kvguard_seal_failed")
+        except Exception as exc:
+            guard.internal_error("seal", exc)
             state.local.verdict = GUARD_FAILED
     return out
 
@@ -69,12 +69,13 @@ def around_model_forward(original, runner, forward_batch, *args, **kwargs):
 GUARD_FAILED = object()  # the verdict of a step the guard could not check: abort its requests
 
 
-def _count_unchecked(forward_batch) -> None:
+class UncheckedForward(RuntimeError):
+    """A forward over KV reached the model without a step view the guard could check."""
+
+
+def _reads_kv(forward_batch) -> bool:
     mode = getattr(forward_batch, "forward_mode", None)
-    if mode is not None and mode.is_idle():
-        return  # no model forward over KV
-    state.guard.metrics.unchecked_forwards.inc()
-    log.warning("kvguard_unchecked_forward", mode=str(mode))
+    return mode is None or not mode.is_idle()
 
 
 # -- Scheduler.process_batch_result (AROUND) ------------------------------------------------------------
@@ -86,21 +87,10 @@ def around_process_batch_result(original, scheduler, batch, result, *args, **kwa
     copy_done = getattr(result, "copy_done", None)
     if copy_done is not None:
         copy_done.synchronize()  # the sync SGLang does first thing anyway
-    agree = _tp_agreement(scheduler)
     handles = list(batch.reqs)
-    try:
-        if verdict is GUARD_FAILED:
-            guard.resolve_failed(handles, agree)
-        else:
-            guard.resolve(verdict, handles=handles, agree=agree)
-    except Exception:  # the verdict could not be read: serve nothing unchecked from this step
-        log.exception("kvguard_resolve_failed", step=guard.step)
-        from kvguard.verdict import Kind, Violation, new_violation_id
-
-        for req in batch.reqs:
-            guard.actions.engine.abort(
-                req, Violation(new_violation_id(), Kind.GUARD_ERROR, guard.step, req.rid, None)
-            )
+    # resolve contains its own failures (and still joins the ranks' agreement): what it cannot
+    # judge it aborts; the scheduler goes on.
+    guard.resolve(None if verdict is GUARD_FAILED else verdict, handles)
     aborted = [
         r
         for r in batch.reqs
@@ -119,20 +109,8 @@ def around_process_batch_result(original, scheduler, batch, result, *args, **kwa
     finally:
         object.__setattr__(proc, "enable_overlap", saved)
     for req in aborted:
-        release_aborted(scheduler, req)
+        try:
+            release_aborted(scheduler, req)
+        except Exception as exc:  # its pages stay held (a leak the idle repair finds), no more
+            guard.internal_error("release", exc)
     return out
-
-
-def _tp_agreement(scheduler):
-    """Bitwise-OR the verdict over the tensor-parallel ranks (one small CPU all-reduce per step,
-    only when tp_size > 1), so every rank aborts the same requests and the ranks never diverge."""
-    group = getattr(scheduler, "tp_cpu_group", None)
-    if getattr(scheduler, "tp_size", 1) <= 1 or group is None:
-        return None
-
-    def agree(summary: torch.Tensor) -> torch.Tensor:
-        out = summary.cpu().clone()
-        torch.distributed.all_reduce(out, op=torch.distributed.ReduceOp.BOR, group=group)
-        return out
-
-    return agree

@@ -10,6 +10,8 @@ from kvguard.guard import Guard
 from kvguard.patches import state
 from kvguard.patches.adapter import UnsupportedPoolError, guarded_kv_buffers
 from kvguard.patches.control import SGLangControl
+from kvguard.patches.health_endpoint import publish
+from kvguard.patches.peers import scheduler_peers
 
 log = structlog.get_logger("kvguard")
 
@@ -27,15 +29,6 @@ def attach(result, scheduler, *args, **kwargs):
         # traceback) by SGLang's scheduler loop, and nothing is ever served unchecked.
         log.error("kvguard_unsupported_pool", pool=type(kv).__name__, error=str(exc))
         raise SystemExit(f"kvguard-serve: error: {exc}") from None
-    spec = getattr(scheduler, "spec_algorithm", None)
-    if spec is not None and not spec.is_none():
-        # Draft and verify forwards write and free KV outside the paths the guard models: refuse
-        # rather than serve them unchecked.
-        log.error("kvguard_unsupported_speculative_decoding", algorithm=str(spec))
-        raise SystemExit(
-            f"kvguard-serve: error: kvguard does not guard speculative decoding ({spec}); "
-            "serve without --speculative-algorithm, or with --kvguard-mode off"
-        )
     table = scheduler.req_to_token_pool.req_to_token
     state.guard = Guard(
         config,
@@ -45,9 +38,11 @@ def attach(result, scheduler, *args, **kwargs):
         kv_buffers=buffers,
         device=table.device,
         engine=SGLangControl(scheduler),
-        agreed=getattr(scheduler, "tp_size", 1) > 1,
+        peers=scheduler_peers(scheduler),
     )
     state.scheduler = scheduler
+    state.guard.health.listeners.append(publish)
+    publish(None)
     log.info(
         "kvguard_attached",
         mode=config.mode.value,
@@ -66,17 +61,26 @@ def on_pool_cleared(result, allocator, *args, **kwargs):
     if state.mode_file is not None:
         state.reload_mode()  # benchmarks switch modes between a flush and the next round
     if state.guard is not None:
-        state.guard.reset()
+        try:
+            state.guard.reset()
+        except Exception as exc:  # the ledger no longer matches the pool: stop vouching
+            state.guard.internal_error("reset", exc)
+            state.guard.health.latch(f"kvguard could not follow a pool flush ({exc})")
     return result
 
 
 # -- Scheduler.on_idle (AFTER) ------------------------------------------------------------------------------
 def flush_when_idle(result, scheduler, *args, **kwargs):
-    """Once idle: the guard's counters reach /metrics, and after a quarantine the prefix cache is
-    flushed so suspect nodes leave it."""
-    if state.guard is not None:
-        state.guard.flush_metrics()
-    if state.guard is not None and state.guard.flush_wanted and scheduler.flush_cache():
-        log.info("kvguard_prefix_cache_flushed")
-        state.guard.flush_wanted = False
+    """Once idle: the guard's counters reach /metrics, and while quarantined pages are still
+    held (by the prefix cache: its nodes over them are refused, never evicted early) the cache
+    is flushed, so they are scrubbed and return to service."""
+    guard = state.guard
+    if guard is None:
+        return result
+    try:
+        guard.flush_metrics()
+        if guard.flush_wanted and scheduler.flush_cache():
+            log.info("kvguard_prefix_cache_flushed")  # the flush scrubbed what it held
+    except Exception as exc:
+        guard.internal_error("idle", exc)
     return result

@@ -6,12 +6,14 @@ SGLang modules (the registry resolves targets after all plugins ran)."""
 from __future__ import annotations
 
 import importlib
+import multiprocessing
 
 from kvguard.config import GuardConfig
 from kvguard.logconfig import configure_from_env
 from kvguard.patches.targets import (
     CANARY_TARGETS,
     GUARD_TARGETS,
+    HTTP_TARGETS,
     MLA_TARGETS,
     QUANT_TARGETS,
     TP_TARGETS,
@@ -29,6 +31,8 @@ def load() -> None:
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
     rows = (GUARD_TARGETS if config.enabled else []) + QUANT_TARGETS  # features: any guard mode
+    if config.enabled and multiprocessing.parent_process() is None:
+        rows += HTTP_TARGETS  # the process that serves HTTP (its schedulers are its children)
     rows += CANARY_TARGETS  # SGLang's --kv-canary on CPU; no-ops elsewhere
     rows += TP_TARGETS  # --tp N on CPU; no-op with CUDA
     rows += MLA_TARGETS  # MLA (DeepSeek-V3 / Kimi K2 architecture) on CPU torch_native

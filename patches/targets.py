@@ -9,6 +9,13 @@ from __future__ import annotations
 GUARD_TARGETS = [
     (
         "sglang.srt.managers.scheduler.Scheduler.__init__",
+        "BEFORE",
+        "engine_options.refuse_unguarded_options",
+        "refuse an option kvguard cannot check (engine_options.OPTIONS) before the scheduler "
+        "builds anything: python -m sglang.launch_server (kvguard-serve refuses it earlier)",
+    ),
+    (
+        "sglang.srt.managers.scheduler.Scheduler.__init__",
         "AFTER",
         "lifecycle.attach",
         "build one Guard per scheduler once the KV pool, page table and allocator exist",
@@ -156,6 +163,19 @@ GUARD_TARGETS = [
         "AFTER",
         "guard_status.add_to_init_info",
         "report the guard's mode and pid in the start-up handshake (kvguard.install, /server_info)",
+    ),
+]
+
+# The HTTP process (kvguard-serve, python -m sglang.launch_server): the guard's health at the
+# server's front door. Registered only in a process that no other SGLang process started.
+HTTP_TARGETS = [
+    (
+        "sglang.srt.entrypoints.http_server.launch_server",
+        "BEFORE",
+        "health_endpoint.before_launch_server",
+        "before the schedulers start: the state directory they publish their guard's health "
+        "into, and the middleware that answers /health 503 and refuses new requests once a "
+        "guard failed closed",
     ),
 ]
 
@@ -487,8 +507,7 @@ SGLANG_NAMES = [
     # -- tensor parallelism on CPU (cpu_tensor_parallel.py) -------------------------------------
     ("sglang.srt.distributed.parallel_state.init_model_parallel_group.use_pynccl", "parameter", "cpu_tensor_parallel", "no PyNccl without CUDA"),
     # -- added with guard v2 in SGLang (lifecycle, adapter, cache_hooks, tenancy) ---------------
-    (f"{_SCHED}.spec_algorithm", "attribute", "lifecycle", "speculative decoding is refused at start"),
-    ("sglang.srt.speculative.spec_info.SpeculativeAlgorithm.is_none", "callable", "lifecycle", "no speculative algorithm"),
+    ("sglang.srt.speculative.spec_info.SpeculativeAlgorithm.is_none", "callable", "cpu_fp8_kv", "no speculative algorithm"),
     ("sglang.srt.model_executor.forward_batch_info.ForwardMode.is_idle", "callable", "adapter", "idle batches carry no KV"),
     (f"{_FB}.extend_seq_lens_cpu", "attribute", "adapter", "new tokens per request, on the host"),
     ("sglang.srt.mem_cache.radix_cache.RadixKey.token_ids", "attribute", "cache_hooks", "the tokens a hit must hold"),
@@ -508,6 +527,10 @@ SGLANG_NAMES = [
     ("sglang.srt.model_loader.weight_utils.kv_cache_scales_loader", "callable", "cpu_fp8_kv", "SGLang's reader of that file"),
     ("sglang.srt.distributed.parallel_state.get_tensor_model_parallel_rank", "callable", "cpu_fp8_kv", "the file's rank entry"),
     ("sglang.srt.distributed.parallel_state.get_tensor_model_parallel_world_size", "callable", "cpu_fp8_kv", "and its rank count"),
+    # -- options the guard cannot check (engine_options.py; its table's fields and flags are
+    # -- resolved against ServerArgs and SGLang's parser by tests/test_engine_options.py) -------
+    ("sglang.srt.managers.scheduler.Scheduler.__init__.server_args", "parameter", "engine_options", "the options a scheduler starts with"),
+    ("sglang.srt.server_args.ServerArgs", "callable", "engine_options", "their raw input: the fields OPTIONS names"),
     # -- compressed-tensors W4A16 on CPU (int4_cpu_moe.py) --------------------------------------
     (f"{_CT}.schemes.compressed_tensors_wNa16_moe.CompressedTensorsWNA16MoE", "callable", "int4_cpu_moe", "the experts' scheme"),
     (f"{_CT}.schemes.compressed_tensors_wNa16_moe.CompressedTensorsWNA16MoE.num_bits", "attribute", "int4_cpu_moe", "4-bit only"),

@@ -135,8 +135,20 @@ def test_to_env_round_trips(config):
 
 
 def test_to_env_spelling():
-    assert GuardConfig("paranoid", 9, True).to_env() == {
+    assert GuardConfig("paranoid", 9, True, 0.05).to_env() == {
         "KVGUARD_MODE": "paranoid",
         "KVGUARD_SWEEP_TOKENS_PER_STEP": "9",
         "KVGUARD_TENANT_ISOLATION": "1",
+        "KVGUARD_QUARANTINE_CAP": "0.05",
     }
+
+
+@pytest.mark.parametrize("raw", ["0", "1.5", "-0.1", "lots"])
+def test_quarantine_cap_is_a_fraction_of_the_pool(raw):
+    with pytest.raises(ConfigError, match="QUARANTINE_CAP|quarantine_cap"):
+        GuardConfig.from_env({"KVGUARD_QUARANTINE_CAP": raw})
+
+
+def test_quarantine_cap_in_pages():
+    assert GuardConfig(quarantine_cap=0.01).quarantine_cap_pages(62_500) == 625
+    assert GuardConfig(quarantine_cap=0.01).quarantine_cap_pages(10) == 1

@@ -1,0 +1,69 @@
+"""Whether the guard can still vouch for what its server serves.
+
+The guard fails closed, never open: when it cannot check (its hooks keep failing) or when the
+pool it guards is too damaged (quarantine at its cap), it says so here; the engine adapter then
+reports the server unhealthy (a router drains it) and refuses new requests with a clear error,
+while running requests finish under the guard. Quarantine recovers by itself (pages are scrubbed
+and return to service as their holders release them); repeated internal failures latch until a
+restart, since a guard that cannot run its own code is a deployment problem to look at.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+# Consecutive steps whose check failed before the server reports itself unhealthy.
+FAILURES_TO_FAIL_CLOSED = 8
+
+
+class GuardHealth:
+    def __init__(self, quarantine_cap_pages: int) -> None:
+        self.quarantine_cap_pages = quarantine_cap_pages
+        self.consecutive_failures = 0
+        self._failed: str | None = None  # latched: internal failures
+        self._over_cap: str | None = None  # clears once quarantine is back under half the cap
+        self.listeners: list[Callable[[str | None], None]] = []
+
+    @property
+    def healthy(self) -> bool:
+        return self.reason is None
+
+    @property
+    def reason(self) -> str | None:
+        """Why the guard failed closed (None: healthy)."""
+        return self._failed or self._over_cap
+
+    def step_failed(self, where: str) -> None:
+        self.consecutive_failures += 1
+        if self.consecutive_failures >= FAILURES_TO_FAIL_CLOSED and self._failed is None:
+            self._set(
+                "_failed",
+                f"kvguard failed {self.consecutive_failures} consecutive checks (last in "
+                f"{where}); restart the server",
+            )
+
+    def latch(self, reason: str) -> None:
+        """Fail closed until a restart."""
+        if self._failed is None:
+            self._set("_failed", reason)
+
+    def step_succeeded(self) -> None:
+        self.consecutive_failures = 0
+
+    def quarantined(self, pages_now: int) -> None:
+        cap = self.quarantine_cap_pages
+        if pages_now >= cap and self._over_cap is None:
+            self._set(
+                "_over_cap",
+                f"kvguard quarantined {pages_now} KV pages (cap {cap}): the engine is "
+                "corrupting KV faster than it can be contained",
+            )
+        elif pages_now < cap // 2 and self._over_cap is not None:  # hysteresis: no flapping
+            self._set("_over_cap", None)
+
+    def _set(self, field: str, value: str | None) -> None:
+        before = self.reason
+        setattr(self, field, value)
+        if self.reason != before:
+            for listener in self.listeners:
+                listener(self.reason)
