@@ -5,6 +5,9 @@ first step where it fits, and follows every injection through later steps (``acc
 its victims and the requests only exposed to it), appending a JSON line to ``KVGUARD_FUZZ_LOG``
 per event (``injected``, ``victims``, ``landed``, ``skipped``, ``injector_error``).
 
+Entries of class ``guard_fault`` make the guard's own hooks fail instead (``guard_faults``):
+they are armed when read, on every rank unless the entry names one.
+
 Control file: ``{"plan": [{"id": 1, "cls": "bit_flip", "seed": 7}, ...]}`` (entries only appended).
 """
 
@@ -13,6 +16,8 @@ from __future__ import annotations
 import json
 import os
 import random
+
+from kvguard.fuzz import guard_faults
 
 FUZZ_TARGETS = [
     (
@@ -104,6 +109,7 @@ class FuzzState:
         self.queue: list[dict] = []
         self.active = []  # injections still being watched (victims, stale writes, cleanups)
         self.step = 0
+        self.rank = 0  # tensor-parallel rank, known from the first batch
 
     def poll(self):
         try:
@@ -122,7 +128,12 @@ class FuzzState:
         for entry in plan:
             if entry["id"] not in self.seen:
                 self.seen.add(entry["id"])
-                self.queue.append(entry)
+                if entry.get("cls") == "guard_fault":
+                    if entry.get("rank", self.rank) == self.rank:
+                        guard_faults.arm(entry, self.log)
+                        self.log({"event": "armed", **entry})
+                else:
+                    self.queue.append(entry)
 
     def log(self, record: dict):
         if self.log_path:
@@ -137,7 +148,11 @@ def around_run_batch(original, sched, batch, *args, **kwargs):
 
     st = _state
     st.step += 1
-    st.poll()
+    st.rank = sched.tp_group.rank_in_group
+    try:
+        st.poll()
+    except Exception as exc:
+        st.log({"event": "injector_error", "step": st.step, "error": repr(exc)})
     pool = sched.tp_worker.model_runner.token_to_kv_pool
     after, scan, events, new = [], None, [], None
     try:

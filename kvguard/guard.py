@@ -122,6 +122,7 @@ class Guard:
         self.health = GuardHealth(config.quarantine_cap_pages(self.ledger.num_pages))
         self.health.listeners.append(self._health_changed)
         self.step = 0
+        self.num_internal_errors = 0  # since start: a failed free may have leaked pages
         self.last_quarantine_step = -(1 << 62)
         self._release_row: int | None = None
         self._double_freed: list[torch.Tensor] = []  # pages released twice, reported at resolve
@@ -333,7 +334,7 @@ class Guard:
         if new:
             self.last_quarantine_step = step
         if were_free.numel():  # nobody holds them: back to service at once, scrubbed
-            self._scrub(were_free)
+            self.scrub(were_free)
         self._quarantine_changed()
 
     def _fail_closed(self, handles: list[object]) -> list[Violation]:
@@ -352,6 +353,7 @@ class Guard:
     def internal_error(self, hook: str, exc: BaseException) -> None:
         """A hook of the guard raised: counted, logged (rate-limited, with its traceback), and
         the health told; the caller fails what that hook guarded closed."""
+        self.num_internal_errors += 1
         self.metrics.internal_errors.labels(hook=hook).inc()
         self.log("error", "kvguard_internal_error", hook=hook, step=self.step, exc_info=exc)
         if hook in ("check", "seal", "resolve"):  # a step that could not be checked
@@ -369,7 +371,8 @@ class Guard:
         self.metrics.quarantined_pages.set(n)
         self.health.quarantined(n)
 
-    def _scrub(self, pages: torch.Tensor) -> torch.Tensor:
+    def scrub(self, pages: torch.Tensor) -> torch.Tensor:
+        """Quarantined pages nobody holds: bytes zeroed, entries reset, back in service."""
         done = self.ledger.scrub(pages, self.checker.kv_buffers, self.step)
         if done.numel():
             self.metrics.pages_scrubbed.inc(int(done.numel()))
@@ -427,7 +430,7 @@ class Guard:
         if self.ledger.num_quarantined:  # a quarantined page's last holder let it go: scrub it
             bad = pages[~keep & ~double]
             if bad.numel():
-                out = torch.cat((out, self._scrub(bad).to(out.device)))
+                out = torch.cat((out, self.scrub(bad).to(out.device)))
         self._account(t0)
         return out
 
@@ -602,6 +605,12 @@ class Guard:
         if self._hashed:
             m.tokens_checksummed.inc(self._hashed)
         self._seconds, self._steps, self._tokens, self._hashed = 0.0, 0, 0, 0
+
+    @property
+    def contained_faults(self) -> int:
+        """Violations and internal errors since start: after either, the engine's own memory
+        self-checks may see their footprint (a leak, a page both free and cached)."""
+        return self.actions.num_violations + self.num_internal_errors
 
     def charge(self, t0: float) -> None:
         """The adapter's own time for the guard since ``t0`` (``kvguard.guard.clock()``):

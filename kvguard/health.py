@@ -58,7 +58,7 @@ class GuardHealth:
                 f"kvguard quarantined {pages_now} KV pages (cap {cap}): the engine is "
                 "corrupting KV faster than it can be contained",
             )
-        elif pages_now < cap // 2 and self._over_cap is not None:  # hysteresis: no flapping
+        elif pages_now < max(1, cap // 2) and self._over_cap is not None:  # no flapping
             self._set("_over_cap", None)
 
     def _set(self, field: str, value: str | None) -> None:

@@ -7,6 +7,7 @@ from http import HTTPStatus
 
 import torch
 
+from kvguard.ledger import PageState
 from kvguard.patches import state
 
 
@@ -70,6 +71,8 @@ class SGLangControl:
         if tree.evictable_size() or tree.protected_size():
             held[L.pages_of(tree.all_values_flatten().to(L.device))] = True
         before = alloc.available_size() // ps
+        # quarantined pages nobody holds go back too, scrubbed
+        guard.scrub(torch.nonzero(~held & (L.state == PageState.QUARANTINED)).reshape(-1))
         free = L.rebuild_free(held, guard.step)
         alloc.free_pages = free.to(alloc.device)
         if hasattr(alloc, "release_pages"):

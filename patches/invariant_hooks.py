@@ -19,7 +19,7 @@ def around_memory_check(original, checker, *args, **kwargs):
     try:
         return original(checker, *args, **kwargs)
     except ValueError as exc:
-        if state.guard is None or not state.guard.actions.num_violations:
+        if state.guard is None or not state.guard.contained_faults:
             raise
         repaired = None
         if state.scheduler is not None and state.scheduler.is_fully_idle():
@@ -28,6 +28,7 @@ def around_memory_check(original, checker, *args, **kwargs):
             "kvguard_engine_memory_check_after_violations",
             error=str(exc),
             violations=state.guard.actions.num_violations,
+            internal_errors=state.guard.num_internal_errors,
             free_pages_rebuilt=repaired,
         )
 
@@ -38,7 +39,7 @@ def around_token_info(original, observer, *args, **kwargs):
     count negative until the next idle repair; its usage assertion would then stop the scheduler
     mid-serving. Report zero usage instead, only after violations."""
     stats = original(observer, *args, **kwargs)
-    if stats.full_num_used < 0 and state.guard is not None and state.guard.actions.num_violations:
+    if stats.full_num_used < 0 and state.guard is not None and state.guard.contained_faults:
         import dataclasses
 
         log.warning("kvguard_pool_overcounted", used=stats.full_num_used)
@@ -48,6 +49,6 @@ def around_token_info(original, observer, *args, **kwargs):
 
 # -- SchedulerInvariantChecker._check_pool_invariant (AROUND) -------------------------------------------------
 def around_pool_invariant(original, pool_name, available, *args, **kwargs):
-    if state.guard is not None and pool_name == "full":
-        available += state.guard.num_quarantined_slots  # withheld by the guard, not leaked
+    # Quarantined pages are never withheld from the engine's count any more (they stay with
+    # their holders, then go back scrubbed), so the engine's own sum holds as it is.
     return original(pool_name, available, *args, **kwargs)
