@@ -145,7 +145,7 @@ def test_to_env_spelling():
 
 @pytest.mark.parametrize("raw", ["0", "1.5", "-0.1", "lots"])
 def test_quarantine_cap_is_a_fraction_of_the_pool(raw):
-    with pytest.raises(ConfigError, match="QUARANTINE_CAP|quarantine_cap"):
+    with pytest.raises(ConfigError, match=r"QUARANTINE_CAP|quarantine_cap"):
         GuardConfig.from_env({"KVGUARD_QUARANTINE_CAP": raw})
 
 

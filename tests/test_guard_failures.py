@@ -105,7 +105,7 @@ def test_a_storm_under_load_then_a_clean_request(serve_processes, tmp_path):
 
 
 def test_a_guard_that_failed_closed_says_so_and_stays_up(serve_processes, tmp_path):
-    srv, control, log = _serve(serve_processes, tmp_path)
+    srv, control, _ = _serve(serve_processes, tmp_path)
     ok = _generate(srv, "def f(x):", 8)
     assert ok.status_code == 200
     entry = {"id": 1, "cls": "guard_fault", "hook": "check", "after": 0}

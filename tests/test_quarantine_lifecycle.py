@@ -85,7 +85,7 @@ def test_the_quarantine_cap_fails_closed_and_recovers():
 
 def test_escalation_is_bounded_in_time():
     pool = _pool()
-    a, b = SCENARIOS["clean"].__globals__["_two"](pool)
+    _, b = SCENARIOS["clean"].__globals__["_two"](pool)
     SCENARIOS["bit_flip_shared"](pool)
     g = pool.guard
     assert g.checker.escalated and g.ledger.num_quarantined
