@@ -4,9 +4,11 @@ with the guard loaded into every scheduler process.
 Every SGLang server argument passes through unchanged; kvguard adds its own flags (``--kvguard-*``,
 ``--no-fp8-kv``, ``--log-format``) and defaults that the user did not set: the embedded default
 model, ``--enable-metrics``, and on a machine without a GPU ``--device cpu --attention-backend
-torch_native``, CUDA graphs off, no warm-up request and a KV pool of at most
-:data:`CPU_MAX_TOTAL_TOKENS` tokens. Bad input (model path, port, options,
-guard settings) is reported in one line before SGLang starts.
+torch_native``, CUDA graphs off, no warm-up request, a KV pool of at most
+:data:`CPU_MAX_TOTAL_TOKENS` tokens and, for more ranks than NUMA nodes, a core group per rank
+(:data:`THREADS_BIND`). Bad input (model path, port, options, guard settings) and options the
+guard cannot check (``kvguard.patches.engine_options``) are reported in one line before SGLang
+starts.
 
 The guard itself is configured through the environment (``KVGUARD_*``, see ``kvguard.config``):
 the launcher validates it here and exports it, and SGLang's spawned scheduler processes inherit it.
@@ -26,6 +28,7 @@ from pathlib import Path
 
 from kvguard import logconfig
 from kvguard.config import ConfigError, GuardConfig, Mode
+from kvguard.patches.engine_options import refusals
 from kvguard.serve.preflight import LaunchError, check_listen_address, check_model_path
 
 PROG = "kvguard-serve"
@@ -35,6 +38,9 @@ PROG = "kvguard-serve"
 # Unless the user sizes the pool (--max-total-tokens, --mem-fraction-static), it holds this many.
 CPU_MAX_TOTAL_TOKENS = 262144
 EMBEDDED_MODELS = ("default", "kimi")
+# SGLang's CPU engine binds each rank's OpenMP threads to one '|'-separated group of cores; unset,
+# it wants one NUMA node per rank and asserts there are enough.
+THREADS_BIND = "SGLANG_CPU_OMP_THREADS_BIND"
 
 
 class _Parser(argparse.ArgumentParser):
@@ -122,6 +128,10 @@ def prepare(argv: list[str]):
     device = _wanted_device(rest)
     _set_platform_env(device)  # before SGLang is imported: it reads these at import time
     given, defaults = _parse_sglang_args(rest)
+    if config.enabled:  # an option the guard cannot check: one line, before SGLang starts
+        refused = refusals({**defaults, **given})
+        if refused:
+            raise LaunchError(refused[0])
 
     extra: list[str] = []
     model_path = given.get("model_path")
@@ -154,6 +164,11 @@ def prepare(argv: list[str]):
         extra += _unset(given, "skip_server_warmup", ["--skip-server-warmup"])
         if not {"max_total_tokens", "mem_fraction_static"} & given.keys():
             extra += ["--max-total-tokens", str(CPU_MAX_TOTAL_TOKENS)]
+        ranks = 1
+        for dest in ("tp_size", "pp_size", "dp_size"):
+            ranks *= int(given.get(dest, defaults[dest]) or 1)
+        if not os.environ.get(THREADS_BIND) and ranks > _numa_nodes():
+            os.environ[THREADS_BIND] = cpu_threads_bind(sorted(os.sched_getaffinity(0)), ranks)
     extra += _unset(given, "enable_metrics", ["--enable-metrics"])
     # ---- FP8 KV default: the serving stack stores KV in fp8_e4m3 unless the user chose a dtype
     # ---- or passed --no-fp8-kv. Only where kvguard's FP8 KV support is installed.
@@ -285,6 +300,27 @@ def _parse_sglang_args(argv: list[str]) -> tuple[dict, dict]:
     for a in parser._actions:  # what is left in the namespace is exactly what was given
         a.default, a.required = argparse.SUPPRESS, False
     return vars(parser.parse_args(argv)), defaults
+
+
+def cpu_threads_bind(cores: list[int], ranks: int) -> str:
+    """``SGLANG_CPU_OMP_THREADS_BIND`` for ``ranks`` ranks on ``cores``: contiguous groups as even
+    as the cores allow (a core each, shared in turn, when there are fewer cores than ranks)."""
+    if len(cores) < ranks:
+        return "|".join(str(cores[r % len(cores)]) for r in range(ranks))
+    size, extra = divmod(len(cores), ranks)
+    groups, start = [], 0
+    for r in range(ranks):
+        end = start + size + (r < extra)
+        groups.append(",".join(map(str, cores[start:end])))
+        start = end
+    return "|".join(groups)
+
+
+def _numa_nodes() -> int:
+    """NUMA nodes as SGLang's CPU engine counts them (one rank each when the bind is unset)."""
+    from sglang.srt.utils.common import get_cpu_ids_by_node
+
+    return len(get_cpu_ids_by_node())
 
 
 def _unset(given: dict, dest: str, args: list[str]) -> list[str]:

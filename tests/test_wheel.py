@@ -124,7 +124,8 @@ def test_sglangs_plugin_loader_loads_kvguard_from_the_wheel(installed: Path, tmp
     assert Path(out["dists"]["kvguard"]).resolve() == installed.resolve(), out["dists"]
     assert Path(out["kvguard"]).resolve().is_relative_to(installed.resolve()), out["kvguard"]
     attach = out["hooks"].get("sglang.srt.managers.scheduler.Scheduler.__init__")
-    assert attach == ["kvguard.patches.lifecycle"], out["hooks"]
+    # the options it cannot check refused before the scheduler builds anything; then the guard
+    assert attach == ["kvguard.patches.engine_options", "kvguard.patches.lifecycle"], out["hooks"]
 
 
 def test_declared_dependencies_hold_in_the_locked_environment():
