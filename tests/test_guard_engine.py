@@ -22,6 +22,7 @@ CLASSES = [
 ]
 pytestmark = pytest.mark.engine  # every test here runs a live engine
 
+
 @pytest.mark.parametrize("page_size", [16, 1])
 def test_each_injected_bug_aborts_only_its_victims(tmp_path, capfd, page_size):
     with guarded_engine(tmp_path, page_size) as eng:
