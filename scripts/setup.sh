@@ -3,8 +3,10 @@
 #   scripts/setup.sh            -> .venv with torch, SGLang (CPU path), kvguard (editable), pytest
 # Every package is pinned (requirements/lock.txt is the constraints file of every install).
 # Idempotent: a stamp keyed by a hash of requirements/*.txt, pyproject.toml and this script makes a
-# second run a no-op that takes seconds. Environment: VENV (default .venv), PYTHON (interpreter to
-# build the venv with; default python3.11 if present, else python3 >= 3.10).
+# second run a no-op that takes seconds. As root on Debian it also installs the prometheus package
+# (server and promtool) for the alert-rule tests, when promtool is missing.
+# Environment: VENV (default .venv), PYTHON (interpreter to build the venv with; default
+# python3.11 if present, else python3 >= 3.10).
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -40,6 +42,29 @@ pick_python() {
   done
   die "no python3.11 and no python3 >= 3.10 on PATH (or set PYTHON=/path/to/python3.x)"
 }
+
+# tests/test_ops_rules.py runs the operators' alert rules in a real Prometheus: Debian's package
+# ships the server and promtool (~10 s to install). Before the stamp check, so a machine with an
+# up-to-date venv gets it too; a no-op once promtool is there. Only the binaries are wanted: a
+# service the package's install started is stopped and disabled.
+install_prometheus() {
+  command -v promtool >/dev/null 2>&1 && return 0
+  if [[ "$(id -u)" != 0 ]] || ! command -v apt-get >/dev/null 2>&1; then
+    say "no promtool: tests/test_ops_rules.py's Prometheus checks skip (Debian, as root: apt-get install prometheus)"
+    return 0
+  fi
+  say "Prometheus and promtool (Debian package prometheus)"
+  local t=$SECONDS
+  if DEBIAN_FRONTEND=noninteractive apt-get update -qq >/dev/null \
+    && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus \
+      >/dev/null; then
+    if [[ -d /run/systemd/system ]]; then systemctl disable --now prometheus >/dev/null 2>&1 || true; fi
+    say "prometheus installed in $((SECONDS - t)) s ($(prometheus --version 2>&1 | head -1))"
+  else
+    say "warning: apt-get install prometheus failed: tests/test_ops_rules.py's Prometheus checks fail in CI"
+  fi
+}
+install_prometheus
 
 HASH="$(inputs_hash)"
 if [[ -f "$STAMP" && "$(cat "$STAMP")" == "$HASH" ]] && venv_works; then
