@@ -147,8 +147,8 @@ class PageLedger:
         if pages.numel() == 0:
             return pages
         slots = (pages[:, None] * ps + torch.arange(ps, device=pages.device)).reshape(-1)
-        for b in buffers:
-            rows = b.view(b.shape[0], -1)
+        for b in buffers:  # as bytes: FP8 storage has no fill kernels of its own
+            rows = b.reshape(b.shape[0], -1).view(torch.uint8)
             rows.index_fill_(0, slots[slots < rows.shape[0]].to(rows.device), 0)
         P.prior[pages] = PageState.QUARANTINED
         P.state[pages] = PageState.FREE

@@ -421,6 +421,21 @@ def refuse_unguarded_options(scheduler: object, server_args: object, *args: Any,
     return None
 
 
+# -- http_server.launch_server (BEFORE) ------------------------------------------------------------
+def refuse_before_launch(server_args: object, *args: Any, **kwargs: Any):
+    """``python -m sglang.launch_server``, in the HTTP process before any scheduler starts: the
+    same line and exit status as kvguard-serve (2), and nothing else printed."""
+    from kvguard.config import GuardConfig
+
+    if not GuardConfig.from_env().enabled:
+        return None
+    lines = refusals(server_args, off="KVGUARD_MODE=off")
+    if lines:
+        print(f"kvguard: error: {lines[0]}", file=sys.stderr, flush=True)
+        raise SystemExit(2)
+    return None
+
+
 # -- docs/options.md ---------------------------------------------------------------------------------
 BEGIN, END = "<!-- options table: begin -->", "<!-- options table: end -->"
 

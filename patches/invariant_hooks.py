@@ -23,7 +23,10 @@ def around_memory_check(original, checker, *args, **kwargs):
             raise
         repaired = None
         if state.scheduler is not None and state.scheduler.is_fully_idle():
-            repaired = SGLangControl(state.scheduler).rebuild_free_list()
+            try:
+                repaired = SGLangControl(state.scheduler).rebuild_free_list()
+            except Exception as err:  # the repair failed: report, never stop the scheduler
+                state.guard.internal_error("repair", err)
         log.warning(
             "kvguard_engine_memory_check_after_violations",
             error=str(exc),

@@ -21,6 +21,14 @@ def attach(result, scheduler, *args, **kwargs):
     config = GuardConfig.from_env()
     if not config.enabled:
         return result
+    if not getattr(scheduler, "is_generation", True):
+        # An embedding model's forwards come through another worker path the guard does not
+        # check: refused, never served unchecked.
+        log.error("kvguard_unsupported_model", reason="embedding model")
+        raise SystemExit(
+            "kvguard-serve: error: kvguard guards generation models only (this one is an "
+            "embedding model); serve it with --kvguard-mode off"
+        )
     kv = scheduler.tp_worker.model_runner.token_to_kv_pool
     try:
         kind, buffers = guarded_kv_buffers(kv)

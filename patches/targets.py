@@ -172,6 +172,13 @@ HTTP_TARGETS = [
     (
         "sglang.srt.entrypoints.http_server.launch_server",
         "BEFORE",
+        "engine_options.refuse_before_launch",
+        "python -m sglang.launch_server: an option the guard cannot check is refused in one line, "
+        "exit status 2, before any scheduler starts (kvguard-serve refuses it before SGLang)",
+    ),
+    (
+        "sglang.srt.entrypoints.http_server.launch_server",
+        "BEFORE",
         "health_endpoint.before_launch_server",
         "before the schedulers start: the state directory they publish their guard's health "
         "into, and the middleware that answers /health 503 and refuses new requests once a "
@@ -400,7 +407,9 @@ SGLANG_NAMES = [
     (f"{_SCHED}.batch_result_processor", "attribute", "forward_hooks", "result loop, release path"),
     (f"{_SCHED}.tp_worker", "attribute", "lifecycle", "reaches the model runner's KV pool"),
     (f"{_SCHED}.tp_size", "attribute", "state", "tensor-parallel degree"),
-    (f"{_SCHED}.tp_cpu_group", "attribute", "forward_hooks", "the verdict's OR all-reduce"),
+    (f"{_SCHED}.is_generation", "attribute", "lifecycle", "embedding models are refused at attach"),
+    ("sglang.srt.entrypoints.http_server.app", "value", "health_endpoint", "the middleware at the front door"),
+    (f"{_SCHED}.tp_cpu_group", "attribute", "peers", "the verdict agreement (OR of words, sparse page lists)"),
     (f"{_SCHED}.flush_cache", "callable", "lifecycle", "flush the prefix cache once idle"),
     (f"{_SCHED}.is_fully_idle", "callable", "invariant_hooks", "rebuild the free list only when idle"),
     (f"{_RESULTS}.SchedulerBatchResultProcessor._handle_sampling_mask_abort", "callable", "control", "release an aborted request without committing its KV"),

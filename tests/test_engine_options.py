@@ -254,13 +254,14 @@ def test_kvguard_serve_refuses_before_sglang_starts():
     assert "Traceback" not in proc.stdout + proc.stderr
 
 
-# -- python -m sglang.launch_server: refused at attach ---------------------------------------------
+# -- python -m sglang.launch_server: refused before its schedulers start ----------------------------
 @pytest.mark.engine
-def test_launch_server_refuses_at_attach(tmp_path):
+def test_launch_server_refuses_before_its_schedulers_start(tmp_path):
     """SGLang on its own dies inside Scheduler.__init__ building HiCache's host pool on CPU ("Found
-    no NVIDIA driver", a traceback per rank). With kvguard installed the scheduler stops before:
-    kvguard's line is the first error, SGLang's own never comes, and the server exits 1 (its
-    launcher reports the dead scheduler after the line)."""
+    no NVIDIA driver", a traceback per rank). With kvguard installed the HTTP process stops
+    before it starts any scheduler: kvguard's line, exit status 2, nothing else.
+    (``refuse_unguarded_options`` at Scheduler.__init__ stays as the line for engines started
+    another way.)"""
     model = str(serving_model()[0])
     argv = [
         sys.executable, "-m", "sglang.launch_server", "--model-path", model, "--device", "cpu",
@@ -278,9 +279,10 @@ def test_launch_server_refuses_at_attach(tmp_path):
         "storage tiers write KV back and load it outside the checked forward); serve without it "
         "or with KVGUARD_MODE=off"
     )
-    assert proc.returncode == 1, out[-3000:]
+    assert proc.returncode == 2, out[-3000:]
     assert line in out.splitlines(), out[-3000:]
     assert "NVIDIA driver" not in out and "Scheduler hit an exception" not in out, out[-3000:]
+    assert "Traceback" not in out, out[-3000:]
     first_error = next(
         i for i, text in enumerate(out.splitlines()) if "Traceback" in text or "error:" in text
     )

@@ -6,6 +6,7 @@ closed says so at /health, refuses new requests with a clear error and stays up.
 from __future__ import annotations
 
 import json
+import random
 import time
 
 import pytest
@@ -60,7 +61,7 @@ def _serve(serve_processes, tmp_path, env=None):
     model, _ = serving_model()
     control, log = tmp_path / "control.json", tmp_path / "fuzz.jsonl"
     srv = serve_processes(
-        ["--model-path", str(model), "--page-size", "16", "--max-total-tokens", "4096"],
+        ["--model-path", str(model), "--page-size", "16", "--max-total-tokens", "16384"],
         env={"KVGUARD_FUZZ_CONTROL": str(control), "KVGUARD_FUZZ_LOG": str(log), **(env or {})},
     )
     return srv, control, log
@@ -72,33 +73,39 @@ def _generate(srv, prompt: str, n: int = 32) -> requests.Response:
 
 
 def test_a_storm_under_load_then_a_clean_request(serve_processes, tmp_path):
-    """A bit flip injected at every decode step for 30 steps while 16 requests decode: the
-    server stays up, no output differs from the clean run's, a fresh request is served clean,
-    and once idle nothing stays quarantined (pages scrubbed back into service)."""
-    srv, control, log = _serve(serve_processes, tmp_path)
-    prompts = workload(16, seed=1)
+    """A bit flip injected at every decode step for 30 steps while requests keep arriving (48
+    distinct prompts, 16 at a time): the server stays up, no output differs from the clean
+    run's (a request is served clean, aborted for the violation, or refused while the guard had
+    failed closed), a fresh request is served clean, and once idle nothing stays quarantined
+    (pages scrubbed back into service) and the guard is healthy."""
     from concurrent.futures import ThreadPoolExecutor
 
+    # a cap the storm stays under: this is about containment and cost, not failing closed
+    srv, control, log = _serve(serve_processes, tmp_path, {"KVGUARD_QUARANTINE_CAP": "0.25"})
+    rng = random.Random(7)
+    prompts = [f"{i}: " + " ".join(str(rng.randint(0, 999)) for _ in range(20)) for i in range(48)]
     with ThreadPoolExecutor(16) as ex:
         reference = list(ex.map(lambda p: _generate(srv, p, 64).json(), prompts))
-    plan = [{"id": i + 1, "cls": "bit_flip", "seed": i, "max_tries": 5} for i in range(30)]
+    plan = [{"id": i + 1, "cls": "bit_flip", "seed": i, "max_tries": 50} for i in range(30)]
     control.write_text(json.dumps({"plan": plan}))
     with ThreadPoolExecutor(16) as ex:
         out = list(ex.map(lambda p: _generate(srv, p, 64), prompts))
     events = [json.loads(x) for x in log.read_text().splitlines()] if log.exists() else []
-    injected = {e["id"] for e in events if e.get("event") == "injected"}
-    assert len(injected) >= 20, f"{len(injected)} injections"
+    steps = sorted(e["step"] for e in events if e.get("event") == "injected")
+    assert len(steps) >= 25 and steps[-1] - steps[0] < 2 * len(steps), steps  # a step apart
     for resp, ref in zip(out, reference):
         if resp.status_code == 200:
             assert resp.json()["output_ids"] == ref["output_ids"]
         else:
-            assert "KV cache integrity violation" in resp.text
+            assert "KV cache integrity violation" in resp.text or "KVGuardFailedClosed" in resp.text
+    assert sum(r.status_code != 200 for r in out) >= 1
+    srv.wait_idle()
     assert srv.running() and srv.healthy()
     fresh = _generate(srv, prompts[0], 64)
     assert fresh.status_code == 200 and fresh.json()["output_ids"] == reference[0]["output_ids"]
     srv.wait_idle()
     m = srv.metric_totals()
-    assert m.get("kvguard_violations_total", 0) >= 1
+    assert m.get("kvguard_violations_total", 0) >= 25
     assert m.get("kvguard_quarantined_pages", 0) == 0  # scrubbed back into service
     assert m.get("kvguard_internal_errors_total", 0) == 0
     assert m.get("kvguard_healthy", 1) == 1

@@ -3,13 +3,14 @@ guard's own behaviour on a synthetic pool (no engine; the engine tier repeats it
 
 from __future__ import annotations
 
+import pytest
 import torch
 from guard_scenarios import SCENARIOS
 
 from kvguard.bench.synthetic_pool import SyntheticPool
 from kvguard.guard import ESCALATION_STEPS, _intersection, _union
 from kvguard.health import FAILURES_TO_FAIL_CLOSED
-from kvguard.ledger import PageState
+from kvguard.ledger import PageLedger, PageState
 from kvguard.verdict import Kind
 
 
@@ -150,3 +151,19 @@ def test_agreed_pages_union_and_intersection():
     assert pages.tolist() == [2, 5, 9] and epochs.tolist() == [20, 50, 90]
     pages, epochs = _intersection([mine, theirs])
     assert pages.tolist() == [9] and epochs.tolist() == [90]
+
+
+@pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.bfloat16, torch.uint8])
+def test_scrub_zeroes_every_kv_dtype(dtype):
+    """FP8 KV (kvguard-serve's default) has no fill kernels: the scrub writes bytes."""
+    from kvguard.kernels.backend import select
+
+    ps, pages = 4, 8
+    bufs = [torch.ones(pages * ps, 2, 8).to(dtype) for _ in range(2)]
+    L = PageLedger(pages * ps, ps, "cpu", select(torch.device("cpu")))
+    L.pages.state[3] = PageState.QUARANTINED
+    L.num_quarantined = 1
+    assert L.scrub(torch.tensor([3, 5]), bufs, 7).tolist() == [3]  # 5 was not quarantined
+    for b in bufs:
+        assert not b[12:16].to(torch.float32).any() and b[:12].to(torch.float32).all()
+    assert L.num_quarantined == 0 and int(L.state[3]) == PageState.FREE
