@@ -13,7 +13,11 @@ to show what the idle hooks cost. Servers never run side by side: an idle SGLang
 busy-polls a core.
 
     python -m kvguard.bench.guard [--rounds 10] [--concurrency 16] [--max-new-tokens 64]
-        [--prompt-tokens 1700] [--out results.json] [-- kvguard-serve args]
+        [--prompt-tokens 1700] [--modes off,sampled] [--out results.json] [-- kvguard-serve args]
+
+The pool defaults to page size 16 and twice the workload's tokens; ``--page-size`` and
+``--max-total-tokens`` after ``--`` replace them (e.g. ``-- --tp 2 --page-size 1
+--max-total-tokens 1000000``: tensor parallelism over a million-token pool).
 """
 
 from __future__ import annotations
@@ -133,6 +137,11 @@ def main(argv=None):
         default=None,
         help="prompts of this many token ids (default: short texts of about 40 tokens)",
     )
+    ap.add_argument(
+        "--modes",
+        default=",".join(MODES),
+        help="guard modes to interleave (comma list; off is always among them)",
+    )
     ap.add_argument("--model-path", default=None)
     ap.add_argument("--out", default=None, help="write the results as JSON here")
     ap.add_argument(
@@ -143,11 +152,15 @@ def main(argv=None):
     if a.model_path:
         extra += ["--model-path", a.model_path]
     need = a.concurrency * ((a.prompt_tokens or 64) + a.max_new_tokens)
-    extra += ["--max-total-tokens", str(max(8192, 2 * need)), "--page-size", "16"]
+    if "--max-total-tokens" not in extra:
+        extra += ["--max-total-tokens", str(max(8192, 2 * need))]
+    if "--page-size" not in extra:
+        extra += ["--page-size", "16"]
+    modes = ["off"] + [m for m in a.modes.split(",") if m in MODES and m != "off"]
 
     work = Path(tempfile.mkdtemp(prefix="kvguard-bench-"))
     prompts = workload(a.concurrency, a.prompt_tokens)
-    results = {m: [] for m in ["no hooks"] + MODES}
+    results: dict[str, list] = {m: [] for m in ["no hooks", *modes]}
 
     def measure(srv, mode, r):
         srv.flush_cache()  # every round starts from an empty prefix cache (and a reset ledger)
@@ -179,8 +192,8 @@ def main(argv=None):
     try:
         asyncio.run(run_round(guarded.url, prompts[:4], 8))
         for r in range(a.rounds):
-            for i in range(len(MODES)):
-                mode = MODES[(i + r) % len(MODES)]
+            for i in range(len(modes)):
+                mode = modes[(i + r) % len(modes)]
                 mode_file.write_text(mode)  # read by the scheduler at the flush below
                 measure(guarded, mode, r)
     finally:
@@ -200,7 +213,7 @@ def main(argv=None):
             "guard_ms_per_step": 1000 * gs / max(sum(r["guard_steps"] for r in rs), 1),
         }
     off = summary["off"]
-    for mode in MODES:  # paired: this mode's round r against off's round r
+    for mode in modes:  # paired: this mode's round r against off's round r
         pairs = [
             (m["tokens"] / m["seconds"]) / (o["tokens"] / o["seconds"])
             for m, o in zip(results[mode], results["off"])

@@ -14,7 +14,7 @@ Data flows one way: engine event -> ledger (and records) -> checker -> verdict -
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Protocol
 
@@ -27,6 +27,7 @@ from kvguard.config import GuardConfig, Mode
 from kvguard.health import GuardHealth
 from kvguard.kernels import guard_ref
 from kvguard.kernels.backend import GuardKernels, select
+from kvguard.kernels.guard_ref import StepCheck
 from kvguard.ledger import PageLedger, PageState
 from kvguard.metrics import GuardMetrics
 from kvguard.ratelimit import RateLimitedLog
@@ -72,6 +73,10 @@ class PeerRanks(Protocol):
 
     def or_words(self, words: torch.Tensor) -> torch.Tensor:
         """Bitwise OR of a small host int64 tensor over every rank."""
+        ...
+
+    def start_or(self, words: torch.Tensor) -> Callable[[], torch.Tensor]:
+        """The same, started now; the returned call waits for it and returns the result."""
         ...
 
     def gather(self, item: object) -> list[object]:
@@ -176,10 +181,13 @@ class Guard:
         # The epochs of flagged pages as checked: a page handed out again before the verdict is
         # read is its new owner's. On a CPU only flagged pages, from the check's own list.
         if self.host_reads_free:
-            _, tainted, reclaim = check.flags()
+            flagged, tainted, reclaim = check.flags()
             if tainted or reclaim:
                 pages = check.marked_pages()
                 verdict.suspects = (pages, self.ledger.epoch[pages])
+            if self.peers is not None:  # last: nothing after it may fail this step
+                words = self._summary(check, len(view.prefix_lens_host), flagged, tainted, reclaim)
+                verdict.agreement = self.peers.start_or(words)
         else:
             verdict.epochs = self._snapshot_epochs(check)
         self._unresolved = verdict
@@ -224,31 +232,39 @@ class Guard:
         B = len(handles)
         events = bool(self._double_freed or self._stale_freed)
         t0 = None if self.host_reads_free else clock()  # a GPU's flag read is real work
-        kinds, word = None, FAILED
+        if verdict is not None and verdict.seal_failed and self.peers is None:
+            verdict = None  # one rank: fail the step closed now (with peers, see below)
+        summary: torch.Tensor | None = None
+        agreement = verdict.agreement if verdict is not None else None  # in flight: waited below
         if verdict is not None:
             try:
                 c = verdict.check
                 self._hashed += c.tokens_hashed()
-                flagged, tainted, reclaim = c.flags()
-                if self.peers is None and not (events or flagged or tainted or reclaim):
-                    if t0 is not None:
-                        self._account(t0)
-                    self.health.step_succeeded()
-                    self._flush_metrics()
-                    return []  # a clean step: nothing to agree on or gather
-                kinds = c.kinds[:B].to(torch.int64).cpu() if flagged or self.peers else None
-                word = (TAINTED if tainted else 0) | (RECLAIMING if reclaim else 0)
+                if verdict.agreement is None:
+                    flagged, tainted, reclaim = c.flags()
+                    if self.peers is None and not (events or flagged or tainted or reclaim):
+                        if t0 is not None:
+                            self._account(t0)
+                        self.health.step_succeeded()
+                        self._flush_metrics()
+                        return []  # a clean step: nothing to agree on or gather
+                    summary = self._summary(c, B, flagged, tainted, reclaim)
             except Exception as exc:
                 self.internal_error("resolve", exc)
-                kinds, word = None, FAILED
+                verdict = None
         if t0 is None:
             t0 = clock()
-        if kinds is None:
-            fill = int(Kind.GUARD_ERROR) if word & FAILED else 0
-            kinds = torch.full((B,), fill, dtype=torch.int64)
-        summary = torch.cat((kinds, torch.tensor([word], dtype=torch.int64)))
-        if self.peers is not None:
-            summary = self.peers.or_words(summary)
+        if agreement is not None:
+            # Started when the check was done, and done during the forward. A seal that failed
+            # since cannot be told to the peers this step: the tokens it did not record fail
+            # their first read on this rank, and the agreed verdict aborts their readers then.
+            summary = agreement()
+        else:
+            if summary is None:  # this rank could not check the step: it fails closed
+                summary = torch.full((B + 1,), int(Kind.GUARD_ERROR), dtype=torch.int64)
+                summary[B] = FAILED
+            if self.peers is not None:
+                summary = self.peers.or_words(summary)
         kinds, word = summary[:B], int(summary[B])
         if word & FAILED:  # some rank could not check this step: nothing of it is served
             kinds = kinds | int(Kind.GUARD_ERROR)
@@ -268,6 +284,16 @@ class Guard:
         self._account(t0)
         self._flush_metrics()
         return violations
+
+    def _summary(
+        self, c: StepCheck, B: int, flagged: bool, tainted: bool, reclaim: bool
+    ) -> torch.Tensor:
+        """This rank's words for the step's agreement: the batch's verdict bits, then a flag."""
+        out = torch.zeros(B + 1, dtype=torch.int64)
+        if flagged or self.peers is not None:
+            out[:B] = c.kinds[:B].to(torch.int64).cpu()
+        out[B] = (TAINTED if tainted else 0) | (RECLAIMING if reclaim else 0)
+        return out
 
     def _agreed_pages(self, verdict: StepVerdict | None) -> tuple[PageEpochs, PageEpochs]:
         """(tainted, reclaimable) pages with their epochs when checked, agreed over the ranks:

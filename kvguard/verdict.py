@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import itertools
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import IntFlag
 from typing import TYPE_CHECKING
@@ -66,6 +67,11 @@ class StepVerdict:
     epochs: torch.Tensor | None = None
     # ... and on a CPU, only the flagged pages: (pages, epochs); None: nothing flagged
     suspects: tuple[torch.Tensor, torch.Tensor] | None = None
+    # With peer ranks on a CPU: the step's agreement, started as soon as the check was done so
+    # that it completes during the forward; called at resolve, it returns the agreed words.
+    agreement: Callable[[], torch.Tensor] | None = None
+    # The seal after the forward failed: the step's reads were checked, its writes not recorded
+    seal_failed: bool = False
 
 
 @dataclass(slots=True)

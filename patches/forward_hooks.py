@@ -62,7 +62,7 @@ def around_model_forward(original, runner, forward_batch, *args, **kwargs):
             guard.after_forward(verdict)
         except Exception as exc:
             guard.internal_error("seal", exc)
-            state.local.verdict = GUARD_FAILED
+            verdict.seal_failed = True  # resolve fails it closed (or at the tokens' next read)
     return out
 
 

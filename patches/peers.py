@@ -3,6 +3,8 @@ group, so that agreeing on a verdict never touches the device or its streams."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 
@@ -14,6 +16,18 @@ class SchedulerPeers:
         out = words.cpu().clone()
         torch.distributed.all_reduce(out, op=torch.distributed.ReduceOp.BOR, group=self.group)
         return out
+
+    def start_or(self, words: torch.Tensor) -> Callable[[], torch.Tensor]:
+        out = words.cpu().clone()
+        work = torch.distributed.all_reduce(
+            out, op=torch.distributed.ReduceOp.BOR, group=self.group, async_op=True
+        )
+
+        def wait() -> torch.Tensor:
+            work.wait()
+            return out
+
+        return wait
 
     def gather(self, item: object) -> list[object]:
         out: list[object] = [None] * torch.distributed.get_world_size(self.group)

@@ -72,6 +72,13 @@ def kvguard_parser() -> argparse.ArgumentParser:
         help="bind a request's tenant into its prefix chain (env KVGUARD_TENANT_ISOLATION)",
     )
     g.add_argument(
+        "--kvguard-quarantine-cap",
+        type=float,
+        metavar="FRACTION",
+        help="pages quarantined at once, as a fraction of the pool, at which the guard fails "
+        "closed: /health 503, new requests refused (env KVGUARD_QUARANTINE_CAP; default 0.01)",
+    )
+    g.add_argument(
         "--embedded-model",
         choices=EMBEDDED_MODELS,
         help="without --model-path, which embedded model to serve: default (a tiny Llama) or "
@@ -120,6 +127,7 @@ def prepare(argv: list[str]):
             mode=kv.kvguard_mode,
             sweep_tokens_per_step=kv.kvguard_sweep_tokens_per_step,
             tenant_isolation=kv.kvguard_tenant_isolation,
+            quarantine_cap=kv.kvguard_quarantine_cap,
         )
     except ConfigError as e:
         raise LaunchError(str(e)) from None

@@ -19,7 +19,7 @@ SCRIPT = textwrap.dedent("""
     from kvguard.serve.cli import fp8_kv_supported, prepare
     FIELDS = ("model_path", "device", "attention_backend", "kv_cache_dtype", "enable_metrics",
               "skip_server_warmup", "page_size", "max_total_tokens", "port")
-    ENV = ("KVGUARD_MODE", "KVGUARD_SWEEP_TOKENS_PER_STEP", "KVGUARD_LOG_FORMAT",
+    ENV = ("KVGUARD_MODE", "KVGUARD_SWEEP_TOKENS_PER_STEP", "KVGUARD_LOG_FORMAT", "KVGUARD_QUARANTINE_CAP",
            "SGLANG_USE_CPU_ENGINE", "PROMETHEUS_MULTIPROC_DIR", "SGLANG_CPU_OMP_THREADS_BIND")
     from sglang.srt.utils.common import get_cpu_ids_by_node
     out = {"fp8_supported": fp8_kv_supported(), "numa_nodes": len(get_cpu_ids_by_node()),
@@ -68,6 +68,8 @@ def test_defaults_only_where_unset():
             "tags",
             "--kvguard-sweep-tokens-per-step",
             "7",
+            "--kvguard-quarantine-cap",
+            "0.05",
             "--log-format",
             "json",
         ],
@@ -89,6 +91,8 @@ def test_defaults_only_where_unset():
     assert chosen["attention_backend"] == "triton" and chosen["kv_cache_dtype"] == "bf16"
     assert chosen["env"]["KVGUARD_MODE"] == "tags"
     assert chosen["env"]["KVGUARD_SWEEP_TOKENS_PER_STEP"] == "7"
+    assert chosen["env"]["KVGUARD_QUARANTINE_CAP"] == "0.05"
+    assert plain["env"]["KVGUARD_QUARANTINE_CAP"] == "0.01"
     assert chosen["env"]["KVGUARD_LOG_FORMAT"] == "json"
 
     assert no_fp8["kv_cache_dtype"] == "auto"

@@ -219,6 +219,8 @@ def test_unknown_option():
     "args, env, fragment",
     [
         (["--kvguard-sweep-tokens-per-step", "-1"], {}, "sweep_tokens_per_step"),
+        (["--kvguard-quarantine-cap", "2"], {}, "quarantine_cap"),
+        ([], {"KVGUARD_QUARANTINE_CAP": "none"}, "KVGUARD_QUARANTINE_CAP"),
         ([], {"KVGUARD_MODE": "bogus"}, "invalid kvguard mode"),
         (["--kvguard-mode", "bogus"], {}, "--kvguard-mode"),
     ],
