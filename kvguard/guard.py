@@ -278,7 +278,7 @@ class Guard:
             violations = self._act(verdict, handles, kinds, to_quarantine, to_reclaim)
         except Exception as exc:  # acting failed: fail the whole batch closed
             self.internal_error("resolve", exc)
-            violations = self._fail_closed(handles)
+            violations = self.fail_closed(handles)
         if verdict is not None and not word & FAILED:
             self.health.step_succeeded()
         self._account(t0)
@@ -363,7 +363,8 @@ class Guard:
             self.scrub(were_free)
         self._quarantine_changed()
 
-    def _fail_closed(self, handles: list[object]) -> list[Violation]:
+    def fail_closed(self, handles: list[object]) -> list[Violation]:
+        """Abort every request of a step the guard could not judge (GUARD_ERROR)."""
         violations = [
             Violation(
                 new_violation_id(), Kind.GUARD_ERROR, self.step, getattr(h, "rid", None), None

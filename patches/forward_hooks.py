@@ -90,7 +90,11 @@ def around_process_batch_result(original, scheduler, batch, result, *args, **kwa
     handles = list(batch.reqs)
     # resolve contains its own failures (and still joins the ranks' agreement): what it cannot
     # judge it aborts; the scheduler goes on.
-    guard.resolve(None if verdict is GUARD_FAILED else verdict, handles)
+    try:
+        guard.resolve(None if verdict is GUARD_FAILED else verdict, handles)
+    except Exception as exc:  # beyond what resolve contains itself: fail the batch closed
+        guard.internal_error("resolve", exc)
+        guard.fail_closed(handles)
     aborted = [
         r
         for r in batch.reqs

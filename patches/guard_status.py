@@ -21,7 +21,11 @@ def guard_status() -> dict:
     guard = active_guard()
     status: dict = {"active": guard is not None, "pid": os.getpid()}
     if guard is not None:
-        status.update(guard.status())
+        try:
+            status.update(guard.status())
+        except Exception as exc:  # the handshake must not fail with the guard
+            guard.internal_error("status", exc)
+            status["error"] = repr(exc)
     return status
 
 
