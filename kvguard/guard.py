@@ -127,6 +127,9 @@ class Guard:
         self.health = GuardHealth(config.quarantine_cap_pages(self.ledger.num_pages))
         self.health.listeners.append(self._health_changed)
         self.step = 0
+        # A quarantine happened: the engine should drop its prefix cache at its next idle moment
+        # (nodes over pages an engine bug touched; quarantined ones among them are scrubbed).
+        self.flush_wanted = False
         self.num_internal_errors = 0  # since start: a failed free may have leaked pages
         self.last_quarantine_step = -(1 << 62)
         self._release_row: int | None = None
@@ -141,11 +144,6 @@ class Guard:
         self.metrics.quarantined_pages.set(0)
         self.metrics.healthy.set(1)
 
-    @property
-    def flush_wanted(self) -> bool:
-        """Quarantined pages are still held (by the prefix cache, as a rule): the engine should
-        drop its caches at its next idle moment, so they are released and scrubbed."""
-        return self.ledger.num_quarantined > 0
 
     # -- configuration --------------------------------------------------------------------------------
     def set_mode(self, mode: Mode | str) -> None:
@@ -359,6 +357,7 @@ class Guard:
         new, were_free = self.actions.quarantine(taint[0], taint[1], step)
         if new:
             self.last_quarantine_step = step
+            self.flush_wanted = True
         if were_free.numel():  # nobody holds them: back to service at once, scrubbed
             self.scrub(were_free)
         self._quarantine_changed()
@@ -502,6 +501,7 @@ class Guard:
             self.metrics.pages_scrubbed.inc(n)
         self._quarantine_changed()
         self.records.reset()
+        self.flush_wanted = False
         self._double_freed.clear()
         self._stale_freed.clear()
         self._flush_metrics(force=True)

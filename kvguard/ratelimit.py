@@ -1,7 +1,7 @@
 """Log lines under a storm: at most a few per event and window, the rest counted.
 
 A fault every step must not turn the scheduler into a log writer. Each event name gets
-``burst`` lines per ``window_s``; the lines it drops are counted (``kvguard_log_suppressed_total``)
+``burst`` lines per ``window_s`` (64 per 10 s: every forensic record of an incident, not of a storm); the lines it drops are counted (``kvguard_log_suppressed_total``)
 and the next line it writes says how many were dropped since the last one.
 """
 
@@ -17,7 +17,7 @@ from kvguard.metrics import GuardMetrics
 
 class RateLimitedLog:
     def __init__(
-        self, metrics: GuardMetrics, burst: int = 10, window_s: float = 10.0, logger: Any = None
+        self, metrics: GuardMetrics, burst: int = 64, window_s: float = 10.0, logger: Any = None
     ) -> None:
         self.metrics = metrics
         self.burst, self.window_s = burst, window_s

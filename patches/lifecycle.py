@@ -79,9 +79,9 @@ def on_pool_cleared(result, allocator, *args, **kwargs):
 
 # -- Scheduler.on_idle (AFTER) ------------------------------------------------------------------------------
 def flush_when_idle(result, scheduler, *args, **kwargs):
-    """Once idle: the guard's counters reach /metrics, and while quarantined pages are still
-    held (by the prefix cache: its nodes over them are refused, never evicted early) the cache
-    is flushed, so they are scrubbed and return to service."""
+    """Once idle: the guard's counters reach /metrics, and after a quarantine the prefix cache
+    is flushed: nodes over pages an engine bug touched leave it, quarantined pages it held are
+    scrubbed and return to service. (Under load they return as their holders release them.)"""
     guard = state.guard
     if guard is None:
         return result
@@ -89,6 +89,7 @@ def flush_when_idle(result, scheduler, *args, **kwargs):
         guard.flush_metrics()
         if guard.flush_wanted and scheduler.flush_cache():
             log.info("kvguard_prefix_cache_flushed")  # the flush scrubbed what it held
+            guard.flush_wanted = False
     except Exception as exc:
         guard.internal_error("idle", exc)
     return result

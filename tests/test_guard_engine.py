@@ -45,7 +45,12 @@ def test_each_injected_bug_aborts_only_its_victims(tmp_path, capfd, page_size):
                 repaired = [e for e in logged.values() if "premature_free" in e["kinds"]]
                 assert cls == "premature_free" and repaired, f"{cls}: nothing detected"
             # no false abort: only requests whose KV the injection touched are aborted
-            assert {out[j]["rid"] for j in aborted} <= victims, f"{cls}: aborted beyond {victims}"
+            extra = [e for e in logged.values() if e["request"] in {out[j]["rid"] for j in aborted}]
+            assert {out[j]["rid"] for j in aborted} <= victims, (
+                f"{cls}: aborted beyond {victims}: "
+                f"{[out[j]['error'][:160] for j in aborted if out[j]['rid'] not in victims]} "
+                f"{[e for e in extra if e['request'] not in victims]}"
+            )
             # no escape: every request that was not aborted answered exactly as the clean run did
             for j, (o, r) in enumerate(zip(out, reference)):
                 if "error" not in o:
