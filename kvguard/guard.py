@@ -144,7 +144,6 @@ class Guard:
         self.metrics.quarantined_pages.set(0)
         self.metrics.healthy.set(1)
 
-
     # -- configuration --------------------------------------------------------------------------------
     def set_mode(self, mode: Mode | str) -> None:
         """Switch mode at run time (benchmarks interleave modes in one server). ``off`` here means
