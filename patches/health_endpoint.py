@@ -9,8 +9,10 @@ finish under the guard."""
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
+import shutil
 import tempfile
 import time
 from pathlib import Path
@@ -34,6 +36,7 @@ def ensure_state_dir() -> Path:
     path = os.environ.get(ENV_STATE_DIR)
     if not path:
         path = tempfile.mkdtemp(prefix="kvguard-state-")
+        atexit.register(shutil.rmtree, path, ignore_errors=True)
         os.environ[ENV_STATE_DIR] = path
     return Path(path)
 
