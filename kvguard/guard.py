@@ -28,6 +28,7 @@ from kvguard.health import GuardHealth
 from kvguard.kernels import guard_ref
 from kvguard.kernels.backend import GuardKernels, select
 from kvguard.kernels.guard_ref import StepCheck
+from kvguard.kernels.guard_state import EPOCH_STEP_SHIFT
 from kvguard.ledger import PageLedger, PageState
 from kvguard.metrics import GuardMetrics
 from kvguard.ratelimit import RateLimitedLog
@@ -175,18 +176,13 @@ class Guard:
         check = self.checker.check(x, view.pad_slot)
         self.ledger.apply_step(self.records, x, check)
         verdict = StepVerdict(view=view, inputs=x, check=check)
-        # The epochs of flagged pages as checked: a page handed out again before the verdict is
-        # read is its new owner's. On a CPU only flagged pages, from the check's own list.
-        if self.host_reads_free:
+        if self.host_reads_free:  # on a CPU the flags are known now
             flagged, tainted, reclaim = check.flags()
-            if tainted or reclaim:
-                pages = check.marked_pages()
-                verdict.suspects = (pages, self.ledger.epoch[pages])
+            if tainted or reclaim:  # the check's own list of what it marked: no pool scan
+                verdict.suspects = check.marked_pages()
             if self.peers is not None:  # last: nothing after it may fail this step
                 words = self._summary(check, len(view.prefix_lens_host), flagged, tainted, reclaim)
                 verdict.agreement = self.peers.start_or(words)
-        else:
-            verdict.epochs = self._snapshot_epochs(check)
         self._unresolved = verdict
         self._steps += 1
         self._tokens += len(view.prefix_lens_host) + view.write_slots.numel()
@@ -205,10 +201,6 @@ class Guard:
             verdict.inputs, verdict.check, self.checker.kv_buffers, self.config.checksums
         )
         self._account(t0)
-
-    def _snapshot_epochs(self, check) -> torch.Tensor:  # type: ignore[no-untyped-def]
-        e = self.ledger.epoch
-        return torch.where(check.taint | check.reclaim, e, torch.full_like(e, -1))
 
     def resolve(self, verdict: StepVerdict | None, handles: list[object]) -> list[Violation]:
         """Read a step's verdict (the caller has synced) and act on it. Returns the violations.
@@ -313,15 +305,20 @@ class Guard:
         return taint, reclaim
 
     def _my_pages(self, verdict: StepVerdict) -> tuple[PageEpochs, PageEpochs]:
-        """This rank's flagged pages, as host (pages, epochs) pairs."""
+        """This rank's flagged pages, as host (pages, epochs) pairs. A page claimed again after
+        the check (its epoch names a later step: an epoch changes only at a claim) is its new
+        owner's and is left out; one handed out but not claimed yet is left alone by quarantine
+        and reclaim (ALLOCATED). So no epoch snapshot is taken at check time."""
         c = verdict.check
         if verdict.suspects is not None:
-            pages, epochs = verdict.suspects
-        elif verdict.epochs is not None:
-            pages = torch.nonzero(c.taint | c.reclaim).reshape(-1)
-            epochs = verdict.epochs[pages]
-        else:  # CPU, nothing flagged here
+            pages = verdict.suspects
+        elif self.host_reads_free:  # CPU, nothing flagged here
             return _NO_PAGES, _NO_PAGES
+        else:  # a GPU: the flags are read now, after the engine's sync
+            pages = torch.nonzero(c.taint | c.reclaim).reshape(-1)
+        epochs = self.ledger.epoch[pages]
+        same = (epochs >> EPOCH_STEP_SHIFT) <= verdict.view.step
+        pages, epochs = pages[same], epochs[same]
         t, r = c.taint[pages], c.reclaim[pages]
         pages, epochs, t, r = (x.cpu() for x in (pages, epochs, t, r))
         return (pages[t], epochs[t]), (pages[r], epochs[r])

@@ -61,12 +61,9 @@ class StepVerdict:
     view: StepView
     inputs: StepInputs
     check: StepCheck
-    # epoch of each tainted or reclaimable page when the step was checked, a page handed out
-    # again before the verdict is read being the new owner's: [P] (-1 elsewhere) on a GPU,
-    # where the check's flags are not on the host yet ...
-    epochs: torch.Tensor | None = None
-    # ... and on a CPU, only the flagged pages: (pages, epochs); None: nothing flagged
-    suspects: tuple[torch.Tensor, torch.Tensor] | None = None
+    # On a CPU, the pages the check marked (tainted or to reclaim), from its own list; None:
+    # none, or a GPU (whose flags are read at resolve)
+    suspects: torch.Tensor | None = None
     # With peer ranks on a CPU: the step's agreement, started as soon as the check was done so
     # that it completes during the forward; called at resolve, it returns the agreed words.
     agreement: Callable[[], torch.Tensor] | None = None
