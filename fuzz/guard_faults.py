@@ -7,7 +7,7 @@ the first ``after`` raise. Hooks, by what the engine does when it reaches them: 
 (allocator hand-out), ``free`` (pages back to the free list), ``row`` (a page-table row handed to a
 request), ``match`` (a prefix-cache hit judged), ``insert`` (a request's KV enters the prefix
 cache), ``check`` (before the forward), ``seal`` (after it), ``resolve`` (acting on a verdict:
-every step with tensor parallelism, flagged steps otherwise). Each failure is logged as a
+on flagged steps). Each failure is logged as a
 ``guard_fault`` event.
 """
 

@@ -255,6 +255,11 @@ class Guard:
             if self.peers is not None:
                 summary = self.peers.or_words(summary)
         kinds, word = summary[:B], int(summary[B])
+        if not (word or events or bool(kinds.any())):  # agreed clean: nothing to act on
+            self.health.step_succeeded()
+            self._account(t0)
+            self._flush_metrics()
+            return []
         if word & FAILED:  # some rank could not check this step: nothing of it is served
             kinds = kinds | int(Kind.GUARD_ERROR)
         to_quarantine: PageEpochs | None = None

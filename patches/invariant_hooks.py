@@ -48,10 +48,3 @@ def around_token_info(original, observer, *args, **kwargs):
         log.warning("kvguard_pool_overcounted", used=stats.full_num_used)
         return dataclasses.replace(stats, full_num_used=0, full_token_usage=0.0)
     return stats
-
-
-# -- SchedulerInvariantChecker._check_pool_invariant (AROUND) -------------------------------------------------
-def around_pool_invariant(original, pool_name, available, *args, **kwargs):
-    # Quarantined pages are never withheld from the engine's count any more (they stay with
-    # their holders, then go back scrubbed), so the engine's own sum holds as it is.
-    return original(pool_name, available, *args, **kwargs)

@@ -135,12 +135,6 @@ GUARD_TARGETS = [
         "a page-table row handed to a new request: reset its records",
     ),
     (
-        "sglang.srt.managers.scheduler_components.invariant_checker.SchedulerInvariantChecker._check_pool_invariant",
-        "AROUND",
-        "invariant_hooks.around_pool_invariant",
-        "count quarantined pages in SGLang's idle memory self-check",
-    ),
-    (
         "sglang.srt.managers.scheduler_components.invariant_checker.SchedulerInvariantChecker._report_leak",
         "AROUND",
         "invariant_hooks.around_memory_check",

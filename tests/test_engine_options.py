@@ -10,7 +10,6 @@ import ast
 import asyncio
 import functools
 import json
-import os
 import subprocess
 import sys
 import textwrap
@@ -309,22 +308,7 @@ def test_guarded_option_serves_and_catches_a_flip(tmp_path, option):
         assert all("error" not in r for r in reference), reference
         again = eng.run(prompts, tag="again")  # prefix-cache hits where the cache is on
         assert [o.get("output_ids") for o in again] == [r["output_ids"] for r in reference]
-        _flip_is_caught(eng, prompts, reference)
-
-
-def _flip_is_caught(eng, prompts: list[str], reference: list[dict]) -> None:
-    """One injected bit flip: only its victims are aborted, every other request answers as the
-    clean run did (the guard is attached and checking in this configuration)."""
-    eng.inject("bit_flip", seed=3)
-    out = eng.run(prompts, tag="flip")
-    recs = eng.injection_records(len(eng.plan))
-    assert recs and recs[0]["event"] == "injected", recs
-    victims = set().union(*(set(r["victims"]) for r in recs))
-    aborted = {o["rid"] for o in out if "error" in o}
-    assert aborted and aborted <= victims, (aborted, victims)
-    for o, r in zip(out, reference):
-        if "error" not in o:
-            assert o["output_ids"] == r["output_ids"]
+        eng.assert_flip_caught(prompts, reference)
 
 
 @pytest.mark.engine
@@ -358,17 +342,16 @@ def test_priority_preemption_is_guarded(tmp_path):
         assert [o["meta_info"]["completion_tokens"] for o in out[:4]] == [300] * 4
         reference = eng.run(prompts)
         assert all("error" not in r for r in reference), reference
-        _flip_is_caught(eng, prompts, reference)
+        eng.assert_flip_caught(prompts, reference)
 
 
 @pytest.mark.engine
-def test_kvguard_serve_tensor_parallel_on_cpu(serve_processes):
+def test_kvguard_serve_tensor_parallel_on_cpu(serve_processes, monkeypatch):
     """kvguard-serve --tp-size 2 on a CPU as it is: without SGLANG_CPU_OMP_THREADS_BIND the
     launcher gives each rank a group of cores, and both ranks serve guarded."""
     import requests
 
-    if os.environ.get("SGLANG_CPU_OMP_THREADS_BIND"):
-        pytest.skip("SGLANG_CPU_OMP_THREADS_BIND is set here: the launcher keeps it")
+    monkeypatch.delenv("SGLANG_CPU_OMP_THREADS_BIND", raising=False)  # the launcher's default
     srv = serve_processes(["--tp-size", "2", "--page-size", "16", "--max-total-tokens", "2048"])
     r = requests.post(
         f"{srv.url}/generate",

@@ -75,15 +75,6 @@ def test_tensor_parallel_ranks_agree(tmp_path):
         prompts = workload(8)
         reference = eng.run(prompts)
         assert all("error" not in r for r in reference)
-        eng.inject("bit_flip", seed=3, rank=0)
-        out = eng.run(prompts, tag="flip")
-        recs = eng.injection_records(1)
-        assert recs and recs[0]["event"] == "injected", recs
-        victims = set().union(*(set(r["victims"]) for r in recs))
-        aborted = {o["rid"] for o in out if "error" in o}
-        assert aborted and aborted <= victims, (aborted, victims)
-        for o, r in zip(out, reference):
-            if "error" not in o:
-                assert o["output_ids"] == r["output_ids"]
+        eng.assert_flip_caught(prompts, reference, rank=0)
         fresh = eng.run(prompts[:2], tag="fresh")  # both ranks still in step
         assert [o["output_ids"] for o in fresh] == [r["output_ids"] for r in reference[:2]]

@@ -46,7 +46,7 @@ def test_every_hook_failure_fails_closed(tmp_path, tp):
         assert all("error" not in r for r in reference)
         for hook in HOOKS:
             eng.inject("guard_fault", seed=0, hook=hook, after=0, count=1)
-            if hook == "resolve" and tp == 1:  # acting runs on flagged steps only
+            if hook == "resolve":  # acting runs on flagged steps only
                 eng.inject("bit_flip", seed=5)
             out = eng.run(prompts, tag=hook)
             _served_or_refused(out, reference)
