@@ -41,6 +41,9 @@ class StepChecker:
         # Set by the guard after a quarantine, until the engine flushes its caches: every read is
         # verified (as in paranoid), so readers of a quarantined page whose bytes are intact go on.
         self.escalated = False
+        # Verified reads need the attention backend's read to be hashed (the adapter says so);
+        # where it cannot be, every read is verified before the forward instead.
+        self.read_path = False
 
     @property
     def config(self) -> GuardConfig:
@@ -54,6 +57,7 @@ class StepChecker:
         self._config = c
         self._sampling = c.mode is Mode.SAMPLED and c.sweep_tokens_per_step > 0
         self._paranoid = c.mode is Mode.PARANOID
+        self._verified = c.mode is Mode.VERIFIED
         self._window_budget = max(1, -(-c.sweep_tokens_per_step // ps))
         self._sweep_budget = min(
             num_pages, max(1, -(-(c.sweep_tokens_per_step // 4) * SWEEP_EVERY // ps))
@@ -70,7 +74,11 @@ class StepChecker:
 
     def params(self, step: int, read_pages: int) -> CheckParams:
         checksums = self._config.checksums
-        verify_all = self._paranoid or (checksums and self.escalated)
+        verify_all = (
+            self._paranoid
+            or (checksums and self.escalated)
+            or (self._verified and not self.read_path)
+        )
         window = sweep = 0
         start = 0
         if self._sampling:

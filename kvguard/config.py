@@ -13,7 +13,11 @@ class Mode(str, Enum):
     OFF = "off"  # guard not installed
     TAGS = "tags"  # owner/epoch/position/chain tags on every read and write, no checksums
     SAMPLED = "sampled"  # tags + checksum at every hand-off + a rolling sweep of resting KV
-    PARANOID = "paranoid"  # sampled + every KV token read is checksummed before each forward
+    # tags + checksum at every hand-off + every KV byte attention reads, checksummed as it reads
+    # it and judged before the step's tokens leave (a full pre-forward check where the attention
+    # backend's read cannot be hashed)
+    VERIFIED = "verified"
+    PARANOID = "paranoid"  # verified + every KV token read is checksummed before each forward
 
 
 class ConfigError(ValueError):
@@ -22,7 +26,7 @@ class ConfigError(ValueError):
 
 @dataclass(frozen=True, slots=True)
 class GuardConfig:
-    mode: Mode = Mode.SAMPLED
+    mode: Mode = Mode.VERIFIED
     # sampled mode, per step: this many tokens of the batch's read set are re-hashed (a rolling
     # window, so a read set this small is fully verified every step), and a quarter as many
     # resting ones on average (swept in batches every 8 steps).
@@ -62,7 +66,12 @@ class GuardConfig:
 
     @property
     def checksums(self) -> bool:
-        return self.mode in (Mode.SAMPLED, Mode.PARANOID)
+        return self.mode in (Mode.SAMPLED, Mode.VERIFIED, Mode.PARANOID)
+
+    @property
+    def verifies_reads(self) -> bool:
+        """Attention's own reads are hashed and judged before the step's tokens leave."""
+        return self.mode in (Mode.VERIFIED, Mode.PARANOID)
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None, **overrides: Any) -> GuardConfig:

@@ -61,6 +61,17 @@ def _intersection(lists: list[PageEpochs]) -> PageEpochs:
     return pages, epochs
 
 
+def _verify_reads_kernel(backend: str) -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:
+    """The compiled read verification beside the compiled CPU kernels, else the reference."""
+    if backend == "cpu":
+        from kvguard.kernels import read_verify
+
+        return read_verify.verify_reads
+    from kvguard.kernels import read_verify_ref
+
+    return read_verify_ref.verify_reads
+
+
 # The guard's own time is the CPU time of the thread running its hooks: on a machine whose
 # cores the scheduler shares (tokenizer, detokenizer, clients), wall time inside a hook also
 # counts the moments the thread was preempted by others.
@@ -137,6 +148,7 @@ class Guard:
         self._double_freed: list[torch.Tensor] = []  # pages released twice, reported at resolve
         self._stale_freed: list[torch.Tensor] = []  # pages a stale holder tried to free
         self._unresolved: StepVerdict | None = None  # the newest verdict not read yet
+        self._buffer_index: dict[int, int] = {}
         self.host_reads_free = self.device.type == "cpu"
         self._seconds, self._steps, self._tokens, self._hashed = 0.0, 0, 0, 0  # not yet flushed
         self._flushed_at = 0.0
@@ -155,6 +167,22 @@ class Guard:
     @property
     def active(self) -> bool:
         return self.config.enabled
+
+    @property
+    def verifies_reads(self) -> bool:
+        """Attention hashes what it reads and ``verify_reads`` judges it after the forward (the
+        mode asks for it and the adapter hooked the attention backend's read)."""
+        return self.config.verifies_reads and self.checker.read_path
+
+    def enable_read_path(self) -> None:
+        """The adapter hashes attention's reads (``verify_reads`` will be called every step);
+        without it, a mode that verifies reads checks every read before the forward instead."""
+        self.checker.read_path = True
+        self._buffer_index = {b.data_ptr(): i for i, b in enumerate(self.checker.kv_buffers)}
+
+    def buffer_index(self, cache: torch.Tensor) -> int | None:
+        """Which of the guarded KV buffers attention is reading (None: not one of them)."""
+        return self._buffer_index.get(cache.data_ptr())
 
     @property
     def state_bytes(self) -> int:
@@ -180,8 +208,9 @@ class Guard:
             flagged, tainted, reclaim = check.flags()
             if tainted or reclaim:  # the check's own list of what it marked: no pool scan
                 verdict.suspects = check.marked_pages()
-            if self.peers is not None:  # last: nothing after it may fail this step
-                words = self._summary(check, len(view.prefix_lens_host), flagged, tainted, reclaim)
+            if self.peers is not None and not self.verifies_reads:  # last: nothing may fail after
+                B = len(view.prefix_lens_host)
+                words = self._summary(check, B, flagged, tainted, reclaim, verdict)
                 verdict.agreement = self.peers.start_or(words)
         self._unresolved = verdict
         self._steps += 1
@@ -201,6 +230,39 @@ class Guard:
             verdict.inputs, verdict.check, self.checker.kv_buffers, self.config.checksums
         )
         self._account(t0)
+
+    def verify_reads(
+        self,
+        verdict: StepVerdict,
+        rows: torch.Tensor,
+        seq_lens: list[int],
+        req_rows: torch.Tensor,
+        acc: torch.Tensor,
+        buffers: set[int],
+    ) -> None:
+        """After the forward and its seal: judge what attention read (``rows``, request by
+        request, and the checksum sums ``acc`` it folded in over ``buffers``) against the sealed
+        page digests and the rows' page tags. The result waits in the verdict for ``resolve``,
+        which runs before the step's tokens are emitted. A read that did not cover every stored
+        byte of the pool cannot be vouched for: the step fails closed."""
+        t0 = clock()
+        try:
+            B = len(verdict.view.prefix_lens_host)
+            if len(seq_lens) != B or len(buffers) != len(self.checker.kv_buffers):
+                raise RuntimeError(
+                    f"attention read {len(seq_lens)} requests over {len(buffers)} of "
+                    f"{len(self.checker.kv_buffers)} KV buffers; the step had {B} requests"
+                )
+            P = self.ledger.pages
+            bad, pages = _verify_reads_kernel(self.kernels.name)(
+                acc, rows, seq_lens, req_rows, self.ledger.page_size, self.ledger.num_slots,
+                P.digest, P.fill, P.epoch, self.records.rows.agg,
+            )  # fmt: skip
+            verdict.read_bad, verdict.read_pages = bad, pages
+            verdict.read_flagged = bool(bad.any())
+            self._hashed += int(rows.numel())
+        finally:
+            self._account(t0)
 
     def resolve(self, verdict: StepVerdict | None, handles: list[object]) -> list[Violation]:
         """Read a step's verdict (the caller has synced) and act on it. Returns the violations.
@@ -231,13 +293,14 @@ class Guard:
                 self._hashed += c.tokens_hashed()
                 if verdict.agreement is None:
                     flagged, tainted, reclaim = c.flags()
+                    flagged = flagged or verdict.read_flagged
                     if self.peers is None and not (events or flagged or tainted or reclaim):
                         if t0 is not None:
                             self._account(t0)
                         self.health.step_succeeded()
                         self._flush_metrics()
                         return []  # a clean step: nothing to agree on or gather
-                    summary = self._summary(c, B, flagged, tainted, reclaim)
+                    summary = self._summary(c, B, flagged, tainted, reclaim, verdict)
             except Exception as exc:
                 self.internal_error("resolve", exc)
                 verdict = None
@@ -280,12 +343,22 @@ class Guard:
         return violations
 
     def _summary(
-        self, c: StepCheck, B: int, flagged: bool, tainted: bool, reclaim: bool
+        self,
+        c: StepCheck,
+        B: int,
+        flagged: bool,
+        tainted: bool,
+        reclaim: bool,
+        verdict: StepVerdict,
     ) -> torch.Tensor:
-        """This rank's words for the step's agreement: the batch's verdict bits, then a flag."""
+        """This rank's words for the step's agreement: the batch's verdict bits (the read's
+        included), then a flag."""
         out = torch.zeros(B + 1, dtype=torch.int64)
         if flagged or self.peers is not None:
             out[:B] = c.kinds[:B].to(torch.int64).cpu()
+        if verdict.read_flagged and verdict.read_bad is not None:
+            out[:B] |= verdict.read_bad[:B].to(torch.int64) * int(Kind.READ_MISMATCH)
+            tainted = tainted or bool(verdict.read_pages is not None and verdict.read_pages.numel())
         out[B] = (TAINTED if tainted else 0) | (RECLAIMING if reclaim else 0)
         return out
 
@@ -315,16 +388,21 @@ class Guard:
         owner's and is left out; one handed out but not claimed yet is left alone by quarantine
         and reclaim (ALLOCATED). So no epoch snapshot is taken at check time."""
         c = verdict.check
+        read = verdict.read_pages if verdict.read_pages is not None else _NO_PAGES[0]
         if verdict.suspects is not None:
             pages = verdict.suspects
-        elif self.host_reads_free:  # CPU, nothing flagged here
-            return _NO_PAGES, _NO_PAGES
+        elif self.host_reads_free:  # CPU, nothing flagged by the check here
+            pages = _NO_PAGES[0]
         else:  # a GPU: the flags are read now, after the engine's sync
             pages = torch.nonzero(c.taint | c.reclaim).reshape(-1)
+        t, r = c.taint[pages], c.reclaim[pages]
+        if read.numel():  # pages whose bytes, as attention read them, failed their digest
+            pages = torch.cat((pages, read.to(pages.device)))
+            t = torch.cat((t, torch.ones(read.numel(), dtype=torch.bool, device=t.device)))
+            r = torch.cat((r, torch.zeros(read.numel(), dtype=torch.bool, device=r.device)))
         epochs = self.ledger.epoch[pages]
         same = (epochs >> EPOCH_STEP_SHIFT) <= verdict.view.step
-        pages, epochs = pages[same], epochs[same]
-        t, r = c.taint[pages], c.reclaim[pages]
+        pages, epochs, t, r = pages[same], epochs[same], t[same], r[same]
         pages, epochs, t, r = (x.cpu() for x in (pages, epochs, t, r))
         return (pages[t], epochs[t]), (pages[r], epochs[r])
 
@@ -383,7 +461,7 @@ class Guard:
         self.num_internal_errors += 1
         self.metrics.internal_errors.labels(hook=hook).inc()
         self.log("error", "kvguard_internal_error", hook=hook, step=self.step, exc_info=exc)
-        if hook in ("check", "seal", "resolve"):  # a step that could not be checked
+        if hook in ("check", "seal", "verify", "resolve"):  # a step that could not be checked
             self.health.step_failed(hook)
 
     def _health_changed(self, reason: str | None) -> None:

@@ -39,6 +39,8 @@ class Kind(IntFlag):
     ROW_MISMATCH = 1 << 12  # the request's positions or pages disagree with what its row holds
     STALE_FREE = 1 << 13  # engine event: a request freed a page someone else now holds
     PREMATURE_FREE = 1 << 14  # engine event: a page freed while still read (taken back)
+    # the bytes attention read differ from those sealed, or were not the request's pages
+    READ_MISMATCH = 1 << 15
 
     def names(self) -> list[str]:
         return [k.name.lower() for k in Kind if k & self and k.name]
@@ -69,6 +71,11 @@ class StepVerdict:
     agreement: Callable[[], torch.Tensor] | None = None
     # The seal after the forward failed: the step's reads were checked, its writes not recorded
     seal_failed: bool = False
+    # Verified reads, judged after the last layer: [B] bool requests whose read failed, and the
+    # pages whose content did (None: reads not verified this step)
+    read_bad: torch.Tensor | None = None
+    read_pages: torch.Tensor | None = None
+    read_flagged: bool = False
 
 
 @dataclass(slots=True)

@@ -10,10 +10,10 @@ What SGLang 0.5.23 already does, and what this file adds (hook functions named i
 * Read: ``torch_native`` gathers each request's K/V rows from the pool and casts them to the query
   dtype before SDPA (``per_req_key.to(per_req_query.dtype)``): with scale 1.0 that cast already is
   the dequantization, but it ignores scales and converts float8 element by element (slow on CPU).
-  ``around_attention`` + ``around_sdpa`` dequantize instead: the rows the batch reads are gathered
-  once per layer and looked up in a 256-entry table (FP8 byte -> value * scale, in the query dtype),
-  and SGLang's own SDPA loop runs on that compact copy through a remapped page table. With scale
-  1.0 the values are bit-identical to SGLang's cast.
+  ``kv_read.py`` dequantizes instead, with the tables of ``read_tables``: the rows the batch reads
+  are gathered once per layer and looked up in a 256-entry table (FP8 byte -> value * scale, in
+  the query dtype), and SGLang's own SDPA loop runs on that compact copy through a remapped page
+  table. With scale 1.0 the values are bit-identical to SGLang's cast.
 * Write scales: SGLang's torch_native backend never passes the layer's ``k_scale``/``v_scale`` to
   the pool. Where a model carries per-layer KV scales (an FP8 checkpoint's ``k_scale``/``v_scale``,
   or ``--quantization-param-path``), ``supply_scales`` hands them to the write (stored byte =
@@ -40,7 +40,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
-import threading
 import weakref
 
 import structlog
@@ -50,7 +49,6 @@ log = structlog.get_logger("kvguard")
 
 _CPU_FP8_METHOD = "cpu_fp8_e4m3"  # SGLang's name for CPUFP8KVCacheMethod
 _fp8_pools: weakref.WeakSet = weakref.WeakSet()  # pools built through around_configure
-_local = threading.local()  # the attention layer running on this thread: its read tables, batch
 
 
 class FP8KVConfigError(ValueError):
@@ -264,64 +262,16 @@ def scale_mla_write(pool, layer, loc_info, cache_k, *args, **kwargs):
     return (pool, layer, loc_info, cache_k / scale, *args), kwargs
 
 
-# -- TorchNativeAttnBackend.forward_extend / forward_decode (AROUND) ----------------------------------
-def around_attention(original, backend, q, k, v, layer, forward_batch, *args, **kwargs):
-    """Tell the SDPA hook below which dequantization tables this layer's read uses."""
-    if backend.token_to_kv_pool not in _fp8_pools:
-        return original(backend, q, k, v, layer, forward_batch, *args, **kwargs)
-    pool = backend.token_to_kv_pool
-    first_layer = layer.layer_id == getattr(pool, "start_layer", 0)
+# -- the read (patches/kv_read.py gathers; these are its FP8 tables) -----------------------------------
+def read_tables(pool, layer, dtype: torch.dtype):
+    """(K, V) dequantization tables of this layer's read, or None where the pool is not one this
+    file made FP8 (GPU pools, BF16 pools, SGLang's own AMX route)."""
+    if pool not in _fp8_pools:
+        return None
     if type(pool).__name__ == MLA_POOL:
         scale = mla_kv_scale(layer)
-        tables = dequant_tables(scale, scale, dtype=q.dtype)
-    else:
-        tables = dequant_tables(*layer_kv_scales(layer), dtype=q.dtype)
-    _local.read = (tables, forward_batch, first_layer)
-    try:
-        return original(backend, q, k, v, layer, forward_batch, *args, **kwargs)
-    finally:
-        _local.read = None
-
-
-# -- TorchNativeAttnBackend._run_sdpa_forward_extend / _decode (AROUND) ----------------------------
-def around_sdpa(
-    original,
-    backend,
-    query,
-    output,
-    k_cache,
-    v_cache,
-    req_to_token,
-    req_pool_indices,
-    seq_lens,
-    *args,
-    **kwargs,
-):
-    """Hand SGLang's SDPA loop a compact, dequantized copy of exactly the K/V rows this batch
-    reads (a 256-entry table per layer, scale included) and a page table into that copy."""
-    read = getattr(_local, "read", None)
-    if read is None or k_cache.dtype != torch.float8_e4m3fn or read[1].encoder_lens is not None:
-        return original(
-            backend,
-            query,
-            output,
-            k_cache,
-            v_cache,
-            req_to_token,
-            req_pool_indices,
-            seq_lens,
-            *args,
-            **kwargs,
-        )
-    (k_table, v_table), forward_batch, first_layer = read
-    rows, table = _batch_rows(forward_batch, first_layer, req_to_token, req_pool_indices, seq_lens)
-    k = dequantize_rows(k_cache, rows, k_table)
-    if v_cache.data_ptr() == k_cache.data_ptr() and v_cache.shape[:-1] == k_cache.shape[:-1]:
-        v = k[..., : v_cache.shape[-1]]  # MLA: V is the latent part of the same rows and scale
-    else:
-        v = dequantize_rows(v_cache, rows, v_table)
-    batch = torch.arange(table.shape[0], device=table.device)
-    return original(backend, query, output, k, v, table, batch, seq_lens, *args, **kwargs)
+        return dequant_tables(scale, scale, dtype=dtype)
+    return dequant_tables(*layer_kv_scales(layer), dtype=dtype)
 
 
 @functools.lru_cache(maxsize=64)
@@ -332,30 +282,11 @@ def dequant_tables(k_scale: float, v_scale: float, dtype: torch.dtype):
 
 
 def dequantize_rows(cache: torch.Tensor, rows: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
-    """``table[cache[rows]]``: gather whole rows as 8-byte words, then one table lookup per
-    byte (about 3x faster on CPU than ``.to()`` from float8, which converts element by element)."""
+    """``table[cache[rows]]`` in torch: the specification of the compiled read's FP8 lookup
+    (``kernels.read_verify.gather_rows``), which serves it."""
     flat = cache.view(torch.uint8).reshape(cache.shape[0], -1)
-    if flat.shape[1] % 8 == 0:
-        codes = flat.view(torch.int64)[rows].view(torch.uint8)
-    else:
-        codes = flat[rows]
-    out = table.index_select(0, codes.reshape(-1).to(torch.int32))
+    out = table.index_select(0, flat[rows].reshape(-1).to(torch.int32))
     return out.view(rows.shape[0], *cache.shape[1:])
-
-
-def _batch_rows(forward_batch, first_layer, req_to_token, req_pool_indices, seq_lens):
-    """Slots read by the batch, concatenated per request, and a [batch, max_len] table mapping
-    each request's positions into that concatenation. The same for every layer of a forward:
-    computed at its first attention layer, reused by the others."""
-    cached = getattr(_local, "rows", None)
-    if not first_layer and cached is not None and cached[0] is forward_batch:
-        return cached[1], cached[2]
-    lens = seq_lens.tolist()
-    rows = torch.cat([req_to_token[r, :n] for r, n in zip(req_pool_indices.tolist(), lens)])
-    starts = torch.tensor([0, *lens[:-1]], dtype=torch.int64).cumsum(0)
-    table = starts[:, None] + torch.arange(max(lens), dtype=torch.int64)[None, :]
-    _local.rows = (forward_batch, rows.to(torch.int64), table)
-    return _local.rows[1], table
 
 
 # -- load_model_utils.load_kv_cache_scales (AROUND) -------------------------------------------------

@@ -5,7 +5,7 @@ batch's requests (aborted, never served unchecked), never the scheduler."""
 from __future__ import annotations
 
 from kvguard.guard import clock
-from kvguard.patches import state
+from kvguard.patches import kv_read, state
 from kvguard.patches.adapter import step_view
 from kvguard.patches.control import release_aborted
 
@@ -56,6 +56,7 @@ def around_model_forward(original, runner, forward_batch, *args, **kwargs):
             forward_batch.out_cache_loc.fill_(0)
     if batch is not None:
         state.local.verdict = verdict
+    kv_read.clear_record()
     out = original(runner, forward_batch, *args, **kwargs)
     if verdict is not None and verdict is not GUARD_FAILED:
         try:
@@ -63,7 +64,22 @@ def around_model_forward(original, runner, forward_batch, *args, **kwargs):
         except Exception as exc:
             guard.internal_error("seal", exc)
             verdict.seal_failed = True  # resolve fails it closed (or at the tokens' next read)
+        if guard.verifies_reads and not verdict.seal_failed:
+            _verify_reads(guard, verdict)
     return out
+
+
+def _verify_reads(guard, verdict) -> None:
+    """Judge what attention read, hashed as it read it (``kv_read``), before any token of this
+    forward leaves. A forward whose read was not hashed fails closed."""
+    try:
+        rec = kv_read.take_record()
+        if rec is None or rec.acc is None:
+            raise kv_read.UnverifiableRead("the forward's attention read was not hashed")
+        guard.verify_reads(verdict, rec.rows, rec.seq_lens, rec.req_rows, rec.acc, rec.buffers)
+    except Exception as exc:
+        guard.internal_error("verify", exc)
+        verdict.seal_failed = True  # resolve fails the step closed
 
 
 GUARD_FAILED = object()  # the verdict of a step the guard could not check: abort its requests

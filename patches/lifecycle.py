@@ -11,6 +11,7 @@ from kvguard.patches import state
 from kvguard.patches.adapter import UnsupportedPoolError, guarded_kv_buffers
 from kvguard.patches.control import SGLangControl
 from kvguard.patches.health_endpoint import publish
+from kvguard.patches.kv_read import read_path_unavailable
 from kvguard.patches.peers import scheduler_peers
 
 log = structlog.get_logger("kvguard")
@@ -49,6 +50,13 @@ def attach(result, scheduler, *args, **kwargs):
         peers=scheduler_peers(scheduler),
     )
     state.scheduler = scheduler
+    if config.verifies_reads:
+        runner = scheduler.tp_worker.model_runner
+        why_not = read_path_unavailable(runner)
+        if why_not is None:
+            state.guard.enable_read_path()
+        else:  # still verified, at the cost of a full pre-forward check of every read
+            log.warning("kvguard_reads_verified_before_forward", reason=why_not)
     state.guard.health.listeners.append(publish)
     publish(None)
     log.info(
@@ -60,6 +68,7 @@ def attach(result, scheduler, *args, **kwargs):
         pool=kind,
         buffers=len(buffers),
         kernels=state.guard.kernels.name,
+        reads_verified_in_attention=state.guard.verifies_reads,
         state_bytes=state.guard.state_bytes,
     )
     return result

@@ -16,6 +16,7 @@ from kvguard.patches.targets import (
     HTTP_TARGETS,
     MLA_TARGETS,
     QUANT_TARGETS,
+    READ_TARGETS,
     TP_TARGETS,
 )
 
@@ -31,6 +32,7 @@ def load() -> None:
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
     rows = (GUARD_TARGETS if config.enabled else []) + QUANT_TARGETS  # features: any guard mode
+    rows += READ_TARGETS  # torch_native's KV read: FP8 dequantization, the guard's verified reads
     if config.enabled and multiprocessing.parent_process() is None:
         rows += HTTP_TARGETS  # the process that serves HTTP (its schedulers are its children)
     rows += CANARY_TARGETS  # SGLang's --kv-canary on CPU; no-ops elsewhere

@@ -180,6 +180,36 @@ HTTP_TARGETS = [
     ),
 ]
 
+# The batch's KV read in torch_native attention (kv_read.py): one compiled gather per layer and
+# buffer, dequantized for FP8 pools (any guard mode: how FP8 KV is served on CPU) and hashed when
+# the guard verifies reads. With neither, SGLang's own loop runs untouched.
+READ_TARGETS = [
+    (
+        "sglang.srt.layers.attention.torch_native_backend.TorchNativeAttnBackend.forward_extend",
+        "AROUND",
+        "kv_read.around_attention",
+        "name the layer that reads: its FP8 tables, whether its read is hashed",
+    ),
+    (
+        "sglang.srt.layers.attention.torch_native_backend.TorchNativeAttnBackend.forward_decode",
+        "AROUND",
+        "kv_read.around_attention",
+        "same, decode",
+    ),
+    (
+        "sglang.srt.layers.attention.torch_native_backend.TorchNativeAttnBackend._run_sdpa_forward_extend",
+        "AROUND",
+        "kv_read.around_sdpa",
+        "SDPA over one compact gathered (dequantized, hashed) copy of the rows the batch reads",
+    ),
+    (
+        "sglang.srt.layers.attention.torch_native_backend.TorchNativeAttnBackend._run_sdpa_forward_decode",
+        "AROUND",
+        "kv_read.around_sdpa",
+        "same, decode",
+    ),
+]
+
 # Quantization features (FP8 KV cache, INT4 weights on CPU). Registered whatever the guard mode:
 # they are serving features, not integrity checks. Every hook is a no-op where it is not needed.
 QUANT_TARGETS = [
@@ -194,30 +224,6 @@ QUANT_TARGETS = [
         "BEFORE",
         "cpu_fp8_kv.supply_scales",
         "quantize K/V with the layer's k_scale/v_scale (torch_native passes none)",
-    ),
-    (
-        "sglang.srt.layers.attention.torch_native_backend.TorchNativeAttnBackend.forward_extend",
-        "AROUND",
-        "cpu_fp8_kv.around_attention",
-        "select the layer's FP8 dequantization tables (k_scale/v_scale)",
-    ),
-    (
-        "sglang.srt.layers.attention.torch_native_backend.TorchNativeAttnBackend.forward_decode",
-        "AROUND",
-        "cpu_fp8_kv.around_attention",
-        "same, decode",
-    ),
-    (
-        "sglang.srt.layers.attention.torch_native_backend.TorchNativeAttnBackend._run_sdpa_forward_extend",
-        "AROUND",
-        "cpu_fp8_kv.around_sdpa",
-        "dequantize on read: SDPA over a compact table-dequantized copy of the rows the batch reads",
-    ),
-    (
-        "sglang.srt.layers.attention.torch_native_backend.TorchNativeAttnBackend._run_sdpa_forward_decode",
-        "AROUND",
-        "cpu_fp8_kv.around_sdpa",
-        "same, decode",
     ),
     (
         "sglang.srt.layers.quantization.gptq.schemes.gptq_cpu.GPTQIntelAMXLinearScheme._init_kernel",

@@ -29,8 +29,8 @@ from quant_helpers import (  # noqa: E402
     tiny_trained_model,
 )
 
-from kvguard.patches import cpu_fp8_kv  # noqa: E402
-from kvguard.patches.targets import QUANT_TARGETS  # noqa: E402
+from kvguard.patches import cpu_fp8_kv, kv_read  # noqa: E402
+from kvguard.patches.targets import QUANT_TARGETS, READ_TARGETS  # noqa: E402
 
 HEADS, KV_HEADS, DIM = 4, 2, 16
 
@@ -59,13 +59,16 @@ def sgl():
 
 @pytest.fixture
 def hooked(sgl, monkeypatch):
-    """Apply this file's QUANT_TARGETS rows exactly as HookRegistry would (its own wrapper)."""
-    for target, hook_type, hook_path, _why in QUANT_TARGETS:
-        if not hook_path.startswith("cpu_fp8_kv.") or "configure" in target:
+    """Apply the FP8 rows of QUANT_TARGETS and the READ_TARGETS rows exactly as HookRegistry
+    would (its own wrapper)."""
+    modules = {"cpu_fp8_kv": cpu_fp8_kv, "kv_read": kv_read}
+    for target, hook_type, hook_path, _why in QUANT_TARGETS + READ_TARGETS:
+        module, fn = hook_path.split(".", 1)
+        if module not in modules or "configure" in target:
             continue
         owner_path, attr = target.rsplit(".", 1)
         owner = sgl.pkgutil.resolve_name(owner_path)
-        hook = getattr(cpu_fp8_kv, hook_path.split(".", 1)[1])
+        hook = getattr(modules[module], fn)
         monkeypatch.setattr(
             owner, attr, sgl._wrap_fn(getattr(owner, attr), hook, sgl.HookType[hook_type])
         )

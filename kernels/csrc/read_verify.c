@@ -1,0 +1,209 @@
+/* Verified reads, compiled for the CPU: attention's own gather of the KV rows a batch reads, with
+ * the token checksum folded into it, and the check of those sums against the pages' sealed
+ * digests once the last layer has read. Bit-identical to the torch reference
+ * (kernels/read_verify_ref.py, the specification; the digest itself is kernels/kv_checksum_ref.py).
+ *
+ * Why here: attention already reads every KV byte of the read set each step. Hashing the very
+ * bytes it copies costs no extra memory traffic and leaves no window between check and use.
+ * The token digest is fmix64(inner XOR poskey) with inner = sum over buffers and words of
+ * word * C[b, j] (mod 2**64): linear in the buffers, so each layer adds its buffers' part into
+ * one accumulator per row read, and the digest is finished after the last layer.
+ *
+ * A CPython extension with no torch headers: tensors arrive as addresses, sizes as integers.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <stdint.h>
+#include <string.h>
+
+typedef uint64_t u64;
+typedef int64_t i64;
+
+static const u64 GOLDEN = 0x9E3779B97F4A7C15ULL;
+static const u64 SM_M1 = 0xBF58476D1CE4E5B9ULL, SM_M2 = 0x94D049BB133111EBULL;
+static const u64 FM1 = 0xFF51AFD7ED558CCDULL, FM2 = 0xC4CEB9FE1A85EC53ULL;
+static const u64 POS_SEED = 0x6B76677561726450ULL;
+/* Added to a row's accumulator when its slot is outside the pool: nothing is read there, and the
+ * row can no longer match any digest (a corrupted page table must not crash the gather). */
+static const u64 OUT_OF_POOL = 0xA5A5F00DDEADBEEFULL;
+
+static inline u64 splitmix64(u64 x) {
+    u64 z = x + GOLDEN;
+    z = (z ^ (z >> 30)) * SM_M1;
+    z = (z ^ (z >> 27)) * SM_M2;
+    return z ^ (z >> 31);
+}
+static inline u64 fmix64(u64 x) {
+    x ^= x >> 33;
+    x *= FM1;
+    x ^= x >> 33;
+    x *= FM2;
+    return x ^ (x >> 33);
+}
+static inline u64 page_tag(i64 epoch, i64 lpage) { return fmix64((u64)epoch * GOLDEN + (u64)lpage); }
+
+#define PTR(type, v) ((type)(uintptr_t)(v))
+#define CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
+
+static int ints(PyObject *const *args, Py_ssize_t nargs, Py_ssize_t want, i64 *out) {
+    if (nargs != want) {
+        PyErr_Format(PyExc_TypeError, "expected %zd arguments, got %zd", want, nargs);
+        return -1;
+    }
+    for (Py_ssize_t i = 0; i < nargs; i++) {
+        out[i] = PyLong_AsLongLong(args[i]);
+        if (out[i] == -1 && PyErr_Occurred()) return -1;
+    }
+    return 0;
+}
+
+/* inner part of one row: w * C = w * lo + ((w * hi) << 32) (mod 2**64), so the sum vectorizes as
+ * a widening 32-bit multiply plus a 32-bit one */
+static inline __attribute__((always_inline)) u64
+row_inner(const uint32_t *restrict w, const uint32_t *restrict lo, const uint32_t *restrict hi, i64 n) {
+    u64 s1 = 0;
+    uint32_t s2 = 0;
+    for (i64 j = 0; j < n; j++) {
+        s1 += (u64)w[j] * lo[j];
+        s2 += w[j] * hi[j];
+    }
+    return s1 + ((u64)s2 << 32);
+}
+
+#define PREFETCH_AHEAD 8
+
+/* gather_rows(src, slot_stride, row_bytes, num_slots, rows, n, table, elem, out, lo, hi, acc)
+ *
+ * out[i] = the row of slot rows[i] (row_bytes bytes from src + slot * slot_stride), copied
+ * (table 0) or looked up byte by byte in a 256-entry table of `elem`-byte values (FP8 -> the
+ * query dtype, scale included). With lo/hi (the buffer's word constants, row_bytes / 4 each)
+ * acc[i] += inner part of the row as read. A slot outside [0, num_slots) is not read: its row
+ * is zeros and acc[i] gets OUT_OF_POOL. Returns the number of such rows. */
+CLONES static i64 gather_rows_into(const uint8_t *src, i64 slot_stride, i64 row_bytes, i64 num_slots,
+                                   const i64 *rows, i64 n, const uint8_t *table, i64 elem,
+                                   uint8_t *out, const uint32_t *lo, const uint32_t *hi, u64 *acc) {
+    const i64 words = row_bytes / 4, out_row = table ? row_bytes * elem : row_bytes;
+    i64 bad = 0;
+    for (i64 i = 0; i < n; i++) {
+        if (i + PREFETCH_AHEAD < n) {
+            i64 s = rows[i + PREFETCH_AHEAD];
+            if (s >= 0 && s < num_slots) {
+                const uint8_t *p = src + s * slot_stride;
+                for (i64 off = 0; off < row_bytes; off += 64) __builtin_prefetch(p + off, 0, 3);
+            }
+        }
+        const i64 slot = rows[i];
+        uint8_t *dst = out + i * out_row;
+        if (slot < 0 || slot >= num_slots) {
+            memset(dst, 0, (size_t)out_row);
+            if (acc) acc[i] += OUT_OF_POOL;
+            bad++;
+            continue;
+        }
+        const uint8_t *row = src + slot * slot_stride;
+        if (acc) acc[i] += row_inner((const uint32_t *)row, lo, hi, words);
+        if (!table) {
+            memcpy(dst, row, (size_t)row_bytes);
+        } else if (elem == 2) {
+            const uint16_t *t = (const uint16_t *)table;
+            uint16_t *d = (uint16_t *)dst;
+            for (i64 j = 0; j < row_bytes; j++) d[j] = t[row[j]];
+        } else {
+            const uint32_t *t = (const uint32_t *)table;
+            uint32_t *d = (uint32_t *)dst;
+            for (i64 j = 0; j < row_bytes; j++) d[j] = t[row[j]];
+        }
+    }
+    return bad;
+}
+
+static PyObject *gather_rows(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    i64 a[12];
+    if (ints(args, nargs, 12, a)) return NULL;
+    if (a[2] % 4 != 0 || (a[10] != 0) != (a[11] != 0) || (a[6] != 0 && a[7] != 2 && a[7] != 4)) {
+        PyErr_SetString(PyExc_ValueError, "gather_rows: bad row size, constants or table");
+        return NULL;
+    }
+    i64 bad;
+    Py_BEGIN_ALLOW_THREADS
+    bad = gather_rows_into(PTR(const uint8_t *, a[0]), a[1], a[2], a[3], PTR(const i64 *, a[4]), a[5],
+                           PTR(const uint8_t *, a[6]), a[7], PTR(uint8_t *, a[8]),
+                           PTR(const uint32_t *, a[9]), PTR(const uint32_t *, a[10]), PTR(u64 *, a[11]));
+    Py_END_ALLOW_THREADS
+    return PyLong_FromLongLong(bad);
+}
+
+/* verify_reads(acc, rows, seq_lens, req_rows, B, ps, num_slots, digest, fill, epoch, agg,
+ *              bad_req, bad_pages, max_bad)
+ *
+ * After the last layer: request b read positions [0, seq_lens[b]) through rows[s_b ...] (its
+ * segment of the batch's rows, in order), and acc holds the inner sums of what it read. For each
+ * logical page j of it, the digests of the positions read there (fmix64(acc ^ poskey(pos))) must
+ * add up to the page's sealed digest, the page must be sealed exactly that far (fill), every
+ * position must sit at its offset in that one page, and the row's page tags (epoch, j) must add
+ * up to what the row holds (agg): the pages attention read are the row's own, whatever the page
+ * table said by the time it was read. bad_req[b] = 1 where any of that fails; the pages whose
+ * content disagrees are listed in bad_pages (at most max_bad). Returns the count listed. */
+static i64 verify_reads_into(const u64 *acc, const i64 *rows, const i64 *seq_lens, const i64 *req_rows,
+                             i64 B, i64 ps, i64 num_slots, const i64 *digest, const int16_t *fill,
+                             const i64 *epoch, const i64 *agg, uint8_t *bad_req, i64 *bad_pages,
+                             i64 max_bad) {
+    i64 nbad = 0, s = 0;
+    for (i64 b = 0; b < B; b++) {
+        const i64 L = seq_lens[b];
+        int bad = 0;
+        u64 tags = 0;
+        for (i64 j = 0; j * ps < L; j++) {
+            const i64 lo = j * ps, hi = (lo + ps < L) ? lo + ps : L;
+            const i64 head = rows[s + lo];
+            if (head < 0 || head >= num_slots) {
+                bad = 1;
+                continue;
+            }
+            const i64 page = head / ps;
+            u64 sum = 0;
+            int placed = 1;
+            for (i64 p = lo; p < hi; p++) {
+                const i64 slot = rows[s + p];
+                if (slot != page * ps + (p - lo)) placed = 0;
+                sum += fmix64(acc[s + p] ^ splitmix64((u64)p + POS_SEED));
+            }
+            tags += page_tag(epoch[page], j);
+            if (!placed) {
+                bad = 1;
+            } else if (sum != (u64)digest[page] || (i64)fill[page] != hi - lo) {
+                bad = 1;
+                if (nbad < max_bad) bad_pages[nbad++] = page;
+            }
+        }
+        if (tags != (u64)agg[req_rows[b]]) bad = 1;
+        bad_req[b] = (uint8_t)bad;
+        s += L;
+    }
+    return nbad;
+}
+
+static PyObject *verify_reads(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    i64 a[14];
+    if (ints(args, nargs, 14, a)) return NULL;
+    if (a[5] <= 0) {
+        PyErr_SetString(PyExc_ValueError, "verify_reads: page size must be positive");
+        return NULL;
+    }
+    i64 n;
+    Py_BEGIN_ALLOW_THREADS
+    n = verify_reads_into(PTR(const u64 *, a[0]), PTR(const i64 *, a[1]), PTR(const i64 *, a[2]),
+                          PTR(const i64 *, a[3]), a[4], a[5], a[6], PTR(const i64 *, a[7]),
+                          PTR(const int16_t *, a[8]), PTR(const i64 *, a[9]), PTR(const i64 *, a[10]),
+                          PTR(uint8_t *, a[11]), PTR(i64 *, a[12]), a[13]);
+    Py_END_ALLOW_THREADS
+    return PyLong_FromLongLong(n);
+}
+
+static PyMethodDef methods[] = {
+    {"gather_rows", (PyCFunction)(void (*)(void))gather_rows, METH_FASTCALL, "gather (and hash) KV rows"},
+    {"verify_reads", (PyCFunction)(void (*)(void))verify_reads, METH_FASTCALL, "read sums vs digests"},
+    {NULL, NULL, 0, NULL},
+};
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_read_verify", NULL, -1, methods, NULL, NULL, NULL, NULL};
+PyMODINIT_FUNC PyInit__read_verify(void) { return PyModule_Create(&module); }

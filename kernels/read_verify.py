@@ -1,0 +1,103 @@
+"""Verified reads on a CPU pool: ``_read_verify`` (``csrc/read_verify.c``) behind the functions of
+``read_verify_ref`` (the specification; same arguments, same results bit for bit).
+
+``gather_rows`` is what attention calls once per KV buffer and layer; ``verify_reads`` what the
+guard calls once per step, after the last layer. Neither dispatches a torch operator on the hot
+path beyond allocating the gathered copy attention reads anyway.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import _read_verify as C  # built by setup.sh / pip install (setuptools ext-modules)
+from .read_verify_ref import buffer_constants
+
+_HALVES: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def constant_halves(buffer_index: int, row_bytes: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The buffer's word constants split in 32-bit halves (int32 tensors with the uint32 bits):
+    w * C = w * lo + ((w * hi) << 32) mod 2**64, which vectorizes as 32-bit multiplies."""
+    key = (buffer_index, row_bytes)
+    hit = _HALVES.get(key)
+    if hit is None:
+        c = buffer_constants(buffer_index, row_bytes)
+        lo = (c & 0xFFFFFFFF).to(torch.int64).to(torch.uint32).view(torch.int32).contiguous()
+        hi = ((c >> 32) & 0xFFFFFFFF).to(torch.uint32).view(torch.int32).contiguous()
+        hit = _HALVES[key] = (lo, hi)
+    return hit
+
+
+def _slot_layout(cache: torch.Tensor) -> tuple[int, int]:
+    """(slot stride, row bytes) of a pool buffer whose slot rows are contiguous."""
+    row_bytes = cache[0].numel() * cache.element_size() if cache.shape[0] else 0
+    if cache.dim() > 1 and not cache[0].is_contiguous():
+        raise ValueError("each slot's KV row must be contiguous")
+    return cache.stride(0) * cache.element_size(), row_bytes
+
+
+def gather_rows(
+    cache: torch.Tensor,
+    rows: torch.Tensor,
+    table: torch.Tensor | None = None,
+    buffer_index: int | None = None,
+    acc: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``read_verify_ref.gather_rows`` with the buffer named by index (its constants cached)."""
+    if not (cache.is_cpu and rows.is_cpu and rows.dtype == torch.int64 and rows.is_contiguous()):
+        raise ValueError("gather_rows: a CPU cache and contiguous int64 rows")
+    stride, row_bytes = _slot_layout(cache)
+    n = rows.shape[0]
+    if table is None:
+        out = torch.empty((n, *cache.shape[1:]), dtype=cache.dtype)
+        t_ptr, elem = 0, 0
+    else:
+        if cache.element_size() != 1 or table.numel() != 256 or not table.is_contiguous():
+            raise ValueError("gather_rows: a lookup table maps one-byte (FP8) rows, 256 entries")
+        out = torch.empty((n, *cache.shape[1:]), dtype=table.dtype)
+        t_ptr, elem = table.data_ptr(), table.element_size()
+    lo_ptr = hi_ptr = acc_ptr = 0
+    if acc is not None and buffer_index is not None:
+        if acc.dtype != torch.int64 or not acc.is_contiguous() or acc.numel() != n:
+            raise ValueError("gather_rows: acc must be contiguous int64 with one entry per row")
+        lo, hi = constant_halves(buffer_index, row_bytes)
+        lo_ptr, hi_ptr, acc_ptr = lo.data_ptr(), hi.data_ptr(), acc.data_ptr()
+    C.gather_rows(
+        cache.data_ptr(), stride, row_bytes, cache.shape[0], rows.data_ptr(), n, t_ptr, elem,
+        out.data_ptr(), lo_ptr, hi_ptr, acc_ptr,
+    )  # fmt: skip
+    return out
+
+
+def verify_reads(
+    acc: torch.Tensor,
+    rows: torch.Tensor,
+    seq_lens: list[int],
+    req_rows: torch.Tensor,
+    page_size: int,
+    num_slots: int,
+    digest: torch.Tensor,
+    fill: torch.Tensor,
+    epoch: torch.Tensor,
+    agg: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``read_verify_ref.verify_reads``, compiled."""
+    B = len(seq_lens)
+    if sum(seq_lens) > min(acc.numel(), rows.numel()) or req_rows.numel() != B:
+        raise ValueError("verify_reads: rows and sums must cover every request's positions")
+    lens = torch.tensor(seq_lens, dtype=torch.int64)
+    req = req_rows.to(torch.int64).contiguous()
+    bad = torch.zeros(B, dtype=torch.uint8)
+    max_bad = 64
+    pages = torch.empty(max_bad, dtype=torch.int64)
+    for t, dtype in ((acc, torch.int64), (rows, torch.int64), (digest, torch.int64),
+                     (fill, torch.int16), (epoch, torch.int64), (agg, torch.int64)):  # fmt: skip
+        if t.dtype != dtype or not t.is_contiguous() or not t.is_cpu:
+            raise ValueError("verify_reads: contiguous CPU tensors of the ledger's dtypes")
+    n = C.verify_reads(
+        acc.data_ptr(), rows.data_ptr(), lens.data_ptr(), req.data_ptr(), B, page_size, num_slots,
+        digest.data_ptr(), fill.data_ptr(), epoch.data_ptr(), agg.data_ptr(), bad.data_ptr(),
+        pages.data_ptr(), max_bad,
+    )  # fmt: skip
+    return bad.to(torch.bool), pages[:n].clone()

@@ -1,0 +1,175 @@
+"""The batch's KV read in SGLang's ``torch_native`` attention, where the guard verifies what
+attention consumes (hook functions named in ``targets.py``, READ_TARGETS).
+
+SGLang's SDPA loop gathers each request's K/V rows from the pool, per layer. ``around_sdpa``
+gathers the rows the whole batch reads once per layer and buffer instead, in one compiled call
+(``kernels/read_verify.py``), and hands SGLang's own SDPA loop that compact copy through a
+remapped page table:
+
+* FP8 pools (``cpu_fp8_kv``): the copy is dequantized on the way (a 256-entry table per layer,
+  scale included), in every guard mode: it is how FP8 KV is served on CPU.
+* When the guard verifies reads (``Guard.verifies_reads``): each row gathered also adds its
+  buffer's part of the token checksum into a per-row accumulator, so after the last layer the
+  guard holds the checksum of exactly the bytes attention read, and judges them against the
+  sealed page digests before the step's tokens leave (``Guard.verify_reads``).
+* Otherwise (a BF16 pool, guard off or not verifying reads) SGLang's own loop runs untouched.
+
+The rows are taken from the page table once per forward, at its first attention layer, and
+reused by every layer: what is verified is what every layer read.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+
+import torch
+
+from kvguard.patches import cpu_fp8_kv, state
+
+_local = threading.local()  # the attention layer running now, and this forward's read record
+
+
+@dataclass(slots=True)
+class ReadRecord:
+    """One forward's read, as the guard needs it after the last layer."""
+
+    forward_batch: object
+    rows: torch.Tensor  # [N] int64: every slot read, request by request, position by position
+    seq_lens: list[int]  # [B] positions read per request (the rows' segments)
+    req_rows: torch.Tensor  # [B] int64: each request's page-table row
+    table: torch.Tensor  # [B, max_len] int64: a request's position -> index into rows
+    acc: torch.Tensor | None  # [N] int64: checksum inner sums of what was read (verifying)
+    buffers: set[int] = field(default_factory=set)  # the pool buffers hashed into acc
+
+
+def read_path_unavailable(model_runner) -> str | None:
+    """Why this runner's attention reads cannot be hashed as they are read (None: they can)."""
+    backend = type(getattr(model_runner, "attn_backend", None)).__name__
+    if backend != "TorchNativeAttnBackend":
+        return f"attention backend {backend} (reads are hashed in torch_native only)"
+    pool = model_runner.token_to_kv_pool
+    if str(getattr(pool, "device", "cpu")) != "cpu":
+        return "a GPU pool (no verified-read attention kernel for it yet)"
+    try:
+        from kvguard.kernels import read_verify  # noqa: F401
+    except ImportError as exc:
+        return f"compiled read kernels missing ({exc})"
+    return None
+
+
+def clear_record() -> None:
+    """A forward starts: nothing read yet (a forward that failed midway leaves no record)."""
+    _local.record = None
+
+
+def take_record() -> ReadRecord | None:
+    """What this thread's forward read and hashed since ``clear_record`` (cleared)."""
+    rec = getattr(_local, "record", None)
+    _local.record = None
+    return rec
+
+
+# -- TorchNativeAttnBackend.forward_extend / forward_decode (AROUND) ----------------------------------
+def around_attention(original, backend, q, k, v, layer, forward_batch, *args, **kwargs):
+    """Tell ``around_sdpa`` which layer reads, and with which FP8 tables (None: not FP8)."""
+    pool = backend.token_to_kv_pool
+    tables = cpu_fp8_kv.read_tables(pool, layer, q.dtype)
+    guard = state.guard
+    verifying = guard is not None and guard.active and guard.verifies_reads
+    if tables is None and not verifying:
+        return original(backend, q, k, v, layer, forward_batch, *args, **kwargs)
+    first_layer = layer.layer_id == getattr(pool, "start_layer", 0)
+    _local.read = (tables, forward_batch, first_layer, guard if verifying else None)
+    try:
+        return original(backend, q, k, v, layer, forward_batch, *args, **kwargs)
+    finally:
+        _local.read = None
+
+
+# -- TorchNativeAttnBackend._run_sdpa_forward_extend / _decode (AROUND) ----------------------------
+def around_sdpa(
+    original,
+    backend,
+    query,
+    output,
+    k_cache,
+    v_cache,
+    req_to_token,
+    req_pool_indices,
+    seq_lens,
+    *args,
+    **kwargs,
+):
+    """SGLang's SDPA loop over a compact copy of exactly the K/V rows this batch reads (gathered,
+    dequantized if FP8, hashed if the guard verifies reads) and a page table into that copy."""
+    read = getattr(_local, "read", None)
+    if read is None:
+        return original(
+            backend, query, output, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens,
+            *args, **kwargs,
+        )  # fmt: skip
+    tables, forward_batch, first_layer, guard = read
+    if forward_batch.encoder_lens is not None:
+        if guard is not None:  # cross-attention reads the guard does not model: never unverified
+            raise UnverifiableRead("encoder-decoder attention: reads cannot be verified")
+        return original(
+            backend, query, output, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens,
+            *args, **kwargs,
+        )  # fmt: skip
+    rec = _record(forward_batch, first_layer, req_to_token, req_pool_indices, seq_lens, guard)
+    k_table, v_table = tables if tables is not None else (None, None)
+    k = _gather(guard, rec, k_cache, k_table)
+    if v_cache.data_ptr() == k_cache.data_ptr() and v_cache.shape[:-1] == k_cache.shape[:-1]:
+        v = k[..., : v_cache.shape[-1]]  # MLA: V is the latent part of the same rows
+    else:
+        v = _gather(guard, rec, v_cache, v_table)
+    batch = torch.arange(rec.table.shape[0], device=rec.table.device)
+    _local.read = None  # the copy is what SGLang's loop reads: a nested wrapper passes it through
+    try:
+        return original(backend, query, output, k, v, rec.table, batch, seq_lens, *args, **kwargs)
+    finally:
+        _local.read = read
+
+
+class UnverifiableRead(RuntimeError):
+    """Attention read KV the guard cannot verify: the step fails closed."""
+
+
+def _gather(guard, rec: ReadRecord, cache: torch.Tensor, table) -> torch.Tensor:
+    from kvguard.kernels import read_verify
+
+    index = None
+    if guard is not None and rec.acc is not None:
+        index = guard.buffer_index(cache)
+        if index is None:
+            raise UnverifiableRead(
+                f"attention read a buffer the guard does not hold ({cache.shape})"
+            )
+        rec.buffers.add(index)
+    base = cache.view(torch.uint8) if cache.dtype == torch.float8_e4m3fn else cache
+    out = read_verify.gather_rows(
+        base, rec.rows, table, index, rec.acc if index is not None else None
+    )
+    return out if table is not None else out.view(cache.dtype)
+
+
+def _record(
+    forward_batch, first_layer, req_to_token, req_pool_indices, seq_lens, guard
+) -> ReadRecord:
+    """The slots the batch reads, concatenated per request, and a [batch, max_len] table mapping
+    each request's positions into that concatenation: taken at the forward's first attention
+    layer, reused by the others."""
+    rec = getattr(_local, "record", None)
+    if not first_layer and rec is not None and rec.forward_batch is forward_batch:
+        return rec
+    lens = seq_lens.tolist()
+    req_rows = req_pool_indices.to(torch.int64)
+    rows = torch.cat([req_to_token[r, :n] for r, n in zip(req_rows.tolist(), lens)])
+    rows = rows.to(torch.int64).contiguous()
+    starts = torch.tensor([0, *lens[:-1]], dtype=torch.int64).cumsum(0)
+    table = starts[:, None] + torch.arange(max(lens), dtype=torch.int64)[None, :]
+    acc = torch.zeros(rows.numel(), dtype=torch.int64) if guard is not None else None
+    rec = ReadRecord(forward_batch, rows, lens, req_rows.cpu(), table, acc)
+    _local.record = rec
+    return rec
