@@ -56,7 +56,8 @@ def kvguard_parser() -> argparse.ArgumentParser:
     g.add_argument(
         "--kvguard-mode",
         choices=[m.value for m in Mode],
-        help="guard mode (env KVGUARD_MODE; default sampled)",
+        help="guard mode (env KVGUARD_MODE; default verified: every KV byte attention reads is "
+        "checksummed as it is read and judged before the step's tokens leave)",
     )
     g.add_argument(
         "--kvguard-sweep-tokens-per-step",

@@ -12,8 +12,8 @@ from kvguard.config import ConfigError, GuardConfig, Mode
 
 def test_defaults():
     c = GuardConfig()
-    assert (c.mode, c.sweep_tokens_per_step, c.tenant_isolation) == (Mode.SAMPLED, 512, False)
-    assert c.enabled and c.checksums
+    assert (c.mode, c.sweep_tokens_per_step, c.tenant_isolation) == (Mode.VERIFIED, 512, False)
+    assert c.enabled and c.checksums and c.verifies_reads
 
 
 @pytest.mark.parametrize(
@@ -22,6 +22,7 @@ def test_defaults():
         ("off", False, False),
         ("tags", True, False),
         ("sampled", True, True),
+        ("verified", True, True),
         ("paranoid", True, True),
     ],
 )
@@ -58,7 +59,7 @@ def test_frozen_and_with_():
     with pytest.raises(dataclasses.FrozenInstanceError):
         c.mode = Mode.OFF  # type: ignore[misc]
     d = c.with_(mode="tags")
-    assert d.mode is Mode.TAGS and c.mode is Mode.SAMPLED
+    assert d.mode is Mode.TAGS and c.mode is Mode.VERIFIED
     with pytest.raises(ConfigError):
         c.with_(sweep_tokens_per_step=-3)
 

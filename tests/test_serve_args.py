@@ -83,7 +83,7 @@ def test_defaults_only_where_unset():
     assert plain["model_path"] == model and plain["port"] == int(port)
     assert (plain["page_size"], plain["max_total_tokens"]) == (16, 1024)
     assert plain["enable_metrics"] is True and plain["kv_cache_dtype"] == fp8
-    assert plain["env"]["KVGUARD_MODE"] == "sampled" and plain["env"]["PROMETHEUS_MULTIPROC_DIR"]
+    assert plain["env"]["KVGUARD_MODE"] == "verified" and plain["env"]["PROMETHEUS_MULTIPROC_DIR"]
     if plain["device"] == "cpu":  # no GPU here
         assert plain["attention_backend"] == "torch_native" and plain["skip_server_warmup"] is True
         assert plain["env"]["SGLANG_USE_CPU_ENGINE"] == "1"
