@@ -73,7 +73,8 @@ def verify_reads(
     epoch: torch.Tensor,
     agg: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(bad [B] bool, pages whose content disagrees [k] int64, in request then page order)."""
+    """(bad [B] bool, pages whose content disagrees [k] int64, in request then page order: only
+    those of readers whose page tags hold, i.e. that do hold them)."""
     ps = page_size
     bad = torch.zeros(len(seq_lens), dtype=torch.bool)
     bad_pages: list[int] = []
@@ -82,7 +83,7 @@ def verify_reads(
         seg_rows, seg_acc = rows[start : start + L], acc[start : start + L]
         pos = torch.arange(L, dtype=torch.int64)
         digests = fmix64(seg_acc ^ poskey(pos))
-        tags = 0
+        tags, listed = 0, len(bad_pages)
         for j in range(-(-L // ps)):
             lo, hi = j * ps, min(L, (j + 1) * ps)
             head = int(seg_rows[lo])
@@ -98,6 +99,9 @@ def verify_reads(
                 bad[b] = True
                 bad_pages.append(page)
         if to_signed64(tags) != int(agg[int(req_rows[b])]):
+            # not (all) the row's own pages: the reader is wrong, not the pages' content (a page
+            # claimed since by its new owner must not be quarantined on a stale read)
             bad[b] = True
+            del bad_pages[listed:]
         start += L
     return bad, torch.tensor(bad_pages, dtype=torch.int64)

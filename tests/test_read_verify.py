@@ -169,7 +169,7 @@ def _guard_for(pool, ps: int, monkeypatch) -> Guard:
 
 
 @pytest.mark.parametrize("fp8", [True, False])
-def test_fused_read_bit_identical_mha(sgl, hooked, monkeypatch, fp8):
+def test_fused_read_bit_identical_mha(sgl, hooked, monkeypatch, fp8):  # noqa: F811
     """Attention through the fused (hashed) read == SGLang's own loop, and what it hashed is the
     token digest of every position read."""
     n = 21
@@ -200,7 +200,7 @@ def test_fused_read_bit_identical_mha(sgl, hooked, monkeypatch, fp8):
 
 
 @pytest.mark.parametrize("fp8", [True, False])
-def test_fused_read_bit_identical_mla(sgl, mla_hooked, monkeypatch, fp8):
+def test_fused_read_bit_identical_mla(sgl, mla_hooked, monkeypatch, fp8):  # noqa: F811
     n = 19
     g = torch.Generator().manual_seed(7)
     q = torch.randn(n + 1, 4 * (LORA + ROPE), generator=g).to(torch.bfloat16)
@@ -224,7 +224,7 @@ def test_fused_read_bit_identical_mla(sgl, mla_hooked, monkeypatch, fp8):
     assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
 
 
-def test_bytes_changed_inside_the_forward_fail_the_read(sgl, hooked, monkeypatch):
+def test_bytes_changed_inside_the_forward_fail_the_read(sgl, hooked, monkeypatch):  # noqa: F811
     """The pre-forward check has passed; a late write lands in a sealed token before attention
     reads it: the read's sums no longer match the sealed digest, so the request fails."""
     n = 21

@@ -143,7 +143,8 @@ static PyObject *gather_rows(PyObject *self, PyObject *const *args, Py_ssize_t n
  * position must sit at its offset in that one page, and the row's page tags (epoch, j) must add
  * up to what the row holds (agg): the pages attention read are the row's own, whatever the page
  * table said by the time it was read. bad_req[b] = 1 where any of that fails; the pages whose
- * content disagrees are listed in bad_pages (at most max_bad). Returns the count listed. */
+ * content disagrees, of readers that do hold them, are listed in bad_pages (at most max_bad).
+ * Returns the count listed. */
 static i64 verify_reads_into(const u64 *acc, const i64 *rows, const i64 *seq_lens, const i64 *req_rows,
                              i64 B, i64 ps, i64 num_slots, const i64 *digest, const int16_t *fill,
                              const i64 *epoch, const i64 *agg, uint8_t *bad_req, i64 *bad_pages,
@@ -151,6 +152,7 @@ static i64 verify_reads_into(const u64 *acc, const i64 *rows, const i64 *seq_len
     i64 nbad = 0, s = 0;
     for (i64 b = 0; b < B; b++) {
         const i64 L = seq_lens[b];
+        const i64 listed = nbad; /* this request's bad pages start here */
         int bad = 0;
         u64 tags = 0;
         for (i64 j = 0; j * ps < L; j++) {
@@ -176,7 +178,12 @@ static i64 verify_reads_into(const u64 *acc, const i64 *rows, const i64 *seq_len
                 if (nbad < max_bad) bad_pages[nbad++] = page;
             }
         }
-        if (tags != (u64)agg[req_rows[b]]) bad = 1;
+        if (tags != (u64)agg[req_rows[b]]) {
+            /* not (all) the row's own pages: the reader is wrong, not the pages' content (a
+             * page claimed since by its new owner must not be quarantined on a stale read) */
+            bad = 1;
+            nbad = listed;
+        }
         bad_req[b] = (uint8_t)bad;
         s += L;
     }
