@@ -13,7 +13,8 @@ to show what the idle hooks cost. Servers never run side by side: an idle SGLang
 busy-polls a core.
 
     python -m kvguard.bench.guard [--rounds 10] [--concurrency 16] [--max-new-tokens 64]
-        [--prompt-tokens 1700] [--modes off,sampled] [--out results.json] [-- kvguard-serve args]
+        [--prompt-tokens 1700] [--modes off,verified] [--plain] [--out results.json]
+        [-- kvguard-serve args]
 
 The pool defaults to page size 16 and twice the workload's tokens; ``--page-size`` and
 ``--max-total-tokens`` after ``--`` replace them (e.g. ``-- --tp 2 --page-size 1
@@ -36,7 +37,7 @@ import aiohttp
 
 from kvguard.serve.child import ServeProcess
 
-MODES = ["off", "tags", "sampled", "paranoid"]
+MODES = ["off", "tags", "sampled", "verified", "paranoid"]
 
 
 def start_server(mode: str, args: list[str], workdir: Path, mode_file: Path | None) -> ServeProcess:
@@ -91,13 +92,27 @@ async def _stream(session, url, prompt, max_new_tokens):
     return times
 
 
-async def run_round(url, prompts, max_new_tokens):
+async def _plain(session, url, prompt, max_new_tokens):
+    """One non-streamed request: the client that keeps a server nearest its top speed. Its
+    tokens all arrive at the end (no inter-token latency)."""
+    body = {
+        **({"input_ids": prompt} if isinstance(prompt, list) else {"text": prompt}),
+        "sampling_params": {"temperature": 0, "max_new_tokens": max_new_tokens, "ignore_eos": True},
+    }
+    async with session.post(f"{url}/generate", json=body) as resp:
+        assert resp.status == 200, await resp.text()
+        n = (await resp.json())["meta_info"]["completion_tokens"]
+    return [time.perf_counter()] * n
+
+
+async def run_round(url, prompts, max_new_tokens, plain=False):
+    one = _plain if plain else _stream
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=900)) as session:
         t0 = time.perf_counter()
-        streams = await asyncio.gather(*[_stream(session, url, p, max_new_tokens) for p in prompts])
+        streams = await asyncio.gather(*[one(session, url, p, max_new_tokens) for p in prompts])
         wall = time.perf_counter() - t0
     tokens = sum(len(s) for s in streams)
-    itl = [b - a for s in streams for a, b in itertools.pairwise(s)]
+    itl = [] if plain else [b - a for s in streams for a, b in itertools.pairwise(s)]
     return {"tokens": tokens, "seconds": wall, "itl": itl}
 
 
@@ -142,6 +157,11 @@ def main(argv=None):
         default=",".join(MODES),
         help="guard modes to interleave (comma list; off is always among them)",
     )
+    ap.add_argument(
+        "--plain",
+        action="store_true",
+        help="non-streamed clients (tok/s nearest the server's top speed; no ITL figures)",
+    )
     ap.add_argument("--model-path", default=None)
     ap.add_argument("--out", default=None, help="write the results as JSON here")
     ap.add_argument(
@@ -165,7 +185,7 @@ def main(argv=None):
     def measure(srv, mode, r):
         srv.flush_cache()  # every round starts from an empty prefix cache (and a reset ledger)
         before = guard_counters(srv)
-        res = asyncio.run(run_round(srv.url, prompts, a.max_new_tokens))
+        res = asyncio.run(run_round(srv.url, prompts, a.max_new_tokens, a.plain))
         after = settled_counters(srv)
         # Host time inside guard hooks during this round, as a share of the round's wall time:
         # the scheduler is one thread, so this is what the guard adds to its steps.

@@ -50,13 +50,11 @@ def attach(result, scheduler, *args, **kwargs):
         peers=scheduler_peers(scheduler),
     )
     state.scheduler = scheduler
-    if config.verifies_reads:
-        runner = scheduler.tp_worker.model_runner
-        why_not = read_path_unavailable(runner)
-        if why_not is None:
-            state.guard.enable_read_path()
-        else:  # still verified, at the cost of a full pre-forward check of every read
-            log.warning("kvguard_reads_verified_before_forward", reason=why_not)
+    why_not = read_path_unavailable(scheduler.tp_worker.model_runner)
+    if why_not is None:  # hashed as attention reads, whenever the mode (even switched) asks
+        state.guard.enable_read_path()
+    elif config.verifies_reads:  # still verified, at the cost of a full pre-forward check
+        log.warning("kvguard_reads_verified_before_forward", reason=why_not)
     state.guard.health.listeners.append(publish)
     publish(None)
     log.info(
