@@ -1,4 +1,6 @@
-"""Send one wave of requests concurrently and record what each client saw."""
+"""Send one wave of requests concurrently and record what each client saw: a plain request's
+answer, or a streamed request's every chunk (the tokens in the order they reached the client, and
+how the stream ended)."""
 
 from __future__ import annotations
 
@@ -22,7 +24,7 @@ class Response:
     key: str
     wave: int
     status: int | None = None  # HTTP status; None: no answer (connection error, timeout)
-    output_ids: list[int] | None = None
+    output_ids: list[int] | None = None  # streamed: every token the client was sent
     top2: list[list[float]] | None = None  # per output token: [logprob1, id1, logprob2, id2]
     error: str | None = None  # message of a non-200 answer or the client-side exception
     violation: str | None = None  # kvguard violation id named in a guard abort
@@ -33,6 +35,15 @@ class Response:
     cached_tokens: int | None = None  # prompt tokens served from the prefix cache
     latency_s: float = 0.0
     extra: dict = field(default_factory=dict)
+    # -- streamed requests (SSE): what reached the client, chunk by chunk ----------------------
+    streamed: bool = False
+    stream_ids: list[int] | None = None  # every token the client was sent, in order
+    stream_top2: list[list[float] | None] | None = None  # the top-2 sent with each of them
+    stream_chunks: list[int] | None = None  # new tokens per data chunk
+    # [position, token]: a later chunk restated a position with another token (the client was
+    # sent both; SGLang never does this, and the oracle scores both)
+    stream_rewrites: list[list[int]] | None = None
+    stream_end: str | None = None  # "done", "abort", "error", "dropped" (by the client), "cut"
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -62,12 +73,16 @@ async def _one(
 ) -> Response:
     rid = f"{prefix}-{spec.key}"
     out = Response(
-        rid=rid, key=spec.key, wave=spec.wave, client_abort=spec.cancel_after_chunks is not None
+        rid=rid,
+        key=spec.key,
+        wave=spec.wave,
+        client_abort=spec.cancel_after_chunks is not None,
+        streamed=spec.streamed,
     )
     t0 = time.monotonic()
     try:
-        if spec.cancel_after_chunks is not None:
-            await _streamed_then_dropped(session, url, spec, rid, out)
+        if spec.streamed:
+            await _streamed(session, url, spec, rid, out)
         else:
             async with session.post(f"{url}/generate", json=_body(spec, rid, False)) as r:
                 out.status = r.status
@@ -78,28 +93,92 @@ async def _one(
                     _error(out, text)
     except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as e:
         out.error = f"{type(e).__name__}: {e}"
+    if out.streamed and out.stream_ids is not None:  # the output is what the client was sent
+        out.output_ids = list(out.stream_ids) if out.status == 200 else out.output_ids
+        out.top2 = list(out.stream_top2 or []) or None
     out.latency_s = time.monotonic() - t0
     return out
 
 
-async def _streamed_then_dropped(session, url, spec, rid, out: Response):
-    """A streamed request whose client goes away after a few chunks (SGLang aborts it)."""
-    chunks = 0
+async def _streamed(session, url, spec: RequestSpec, rid: str, out: Response):
+    """A streamed request (SSE): every chunk's tokens recorded in the order they arrived. A
+    client abort (``cancel_after_chunks``) drops the connection after that many chunks (SGLang
+    then aborts the request)."""
+    stream = StreamFold(out)
     async with session.post(f"{url}/generate", json=_body(spec, rid, True)) as r:
         out.status = r.status
+        if r.status != 200:
+            _error(out, await r.text())
+            return
         async for raw in r.content:
             line = raw.decode(errors="replace").strip()
-            if not line.startswith("data:") or line == "data: [DONE]":
+            if line == "data: [DONE]":
+                out.stream_end = out.stream_end or "done"
+                return
+            if not line.startswith("data:"):
                 continue
             data = json.loads(line[5:])
             if "error" in data:
                 _error(out, json.dumps(data["error"]))
-                return
+                out.stream_end = "error"
+                continue
+            stream.chunk(data)
             _fill(out, data)
-            chunks += 1
-            if chunks >= spec.cancel_after_chunks:
+            if out.finish_reason == "abort":
+                out.stream_end = "abort"
+            chunks = len(out.stream_chunks or ())
+            if spec.cancel_after_chunks is not None and chunks >= spec.cancel_after_chunks:
+                out.stream_end = "dropped"
                 r.close()  # drop the connection mid-flight
                 return
+    out.stream_end = out.stream_end or "cut"  # the stream ended without [DONE]
+
+
+class StreamFold:
+    """Folds a stream's data chunks into what the client was sent. SGLang sends either every
+    output token so far in each chunk (its default) or only the new ones
+    (``--incremental-streaming-output``). A chunk that extends what was sent is read as the
+    former; else one whose ``completion_tokens`` counts it on top of what was sent, as the
+    latter; else it restates earlier positions, and each position it restates with another
+    token is a rewrite (the client was sent both tokens there)."""
+
+    def __init__(self, out: Response):
+        self.out = out
+        out.stream_ids, out.stream_top2, out.stream_chunks = [], [], []
+        out.stream_rewrites = []
+
+    def chunk(self, data: dict) -> None:
+        out = self.out
+        sent, sent_top = out.stream_ids, out.stream_top2
+        assert sent is not None and sent_top is not None
+        assert out.stream_chunks is not None and out.stream_rewrites is not None
+        ids = [int(t) for t in data.get("output_ids") or []]
+        meta = data.get("meta_info") or {}
+        top = [_top2(pos) for pos in meta.get("output_top_logprobs") or []]
+        done = meta.get("completion_tokens")
+        before = len(sent)
+        if not ids:
+            offset = before  # nothing new (an abort chunk may carry no tokens)
+        elif ids[:before] == sent and (done is None or done == len(ids) or not before):
+            offset = 0  # cumulative: every token so far
+        elif done == before + len(ids):
+            offset = before  # incremental: the new tokens only
+        else:
+            offset = 0  # restates earlier positions, some with other tokens
+            out.stream_rewrites += [[p, t] for p, t in enumerate(ids[:before]) if t != sent[p]]
+        for pos, tok in enumerate(ids, offset):
+            if pos >= len(sent):
+                sent.append(tok)
+        # the top-2 list covers every position so far (cumulative) or the last ones
+        base = 0 if len(top) >= len(sent) else len(sent) - len(top)
+        for pos, t in enumerate(top, base):
+            while len(sent_top) <= pos:
+                sent_top.append(None)
+            if sent_top[pos] is None:
+                sent_top[pos] = t
+        del sent_top[len(sent) :]
+        sent_top += [None] * (len(sent) - len(sent_top))
+        out.stream_chunks.append(len(sent) - before)
 
 
 def _fill(out: Response, data: dict):

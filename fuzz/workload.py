@@ -10,7 +10,13 @@ the shapes that make a KV cache work hard:
   written in an earlier wave, or on its evicted remains);
 - mixed lengths, many longer than the chunked-prefill size, more KV in flight than the pool holds
   (eviction, retraction);
-- client aborts: a few streamed requests the client drops mid-flight (not scored);
+- client aborts: a few streamed requests the client drops mid-flight (scored on the tokens they
+  were sent before the drop, against what the clean pass was sent);
+- streaming (``stream_fraction``): that share of the requests is streamed (SSE), so every token
+  reaches its client as soon as it is made and the oracle scores each one;
+- long prompts (``long_fraction``, ``long_tokens``): that share of the requests reads a prompt of
+  that many tokens (counted with the served model's tokenizer when one is given), so a decode
+  step reads more KV than the ``sampled`` mode's per-step budget (512 tokens);
 - tenants (only when asked, for tenant isolation): each request has a prefix-cache namespace
   (none, ``cache_salt``, ``extra_key`` or both), a conversation keeps its tenant, and the shared
   headers are picked whatever the tenant, so the same prefix arrives under several tenants.
@@ -24,6 +30,7 @@ from __future__ import annotations
 
 import random
 import sysconfig
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -59,6 +66,8 @@ _SOURCES = (
     "zipfile.py",
 )
 MAX_NEW_TOKENS = (4, 8, 8, 12, 16, 16, 24, 32)
+LONG_TOKENS = (1500, 3000)  # prompt tokens of a long prompt (read sets past the sampled budget)
+CHARS_PER_TOKEN = 3  # without a tokenizer: a long prompt's length estimated from its characters
 EXTEND_CLASSES = (  # need a prefix-hit prefill
     "read_before_ready",
     "stale_prefix",
@@ -82,6 +91,12 @@ class RequestSpec:
     cancel_after_chunks: int | None = None  # client abort: drop the stream after N chunks
     extra_key: str | None = None  # prefix-cache namespace (SGLang's extra_key / cache_salt)
     cache_salt: str | None = None
+    stream: bool = False  # streamed (SSE): every token reaches the client as it is made
+    long: bool = False  # a long prompt (``long_tokens``)
+
+    @property
+    def streamed(self) -> bool:
+        return self.stream or self.cancel_after_chunks is not None
 
 
 @dataclass(slots=True)
@@ -116,14 +131,55 @@ def _snippet(rng: random.Random, corpus: list[list[str]], min_chars: int, max_ch
     return "\n".join(out)[:want] + "\n"
 
 
+def _long_prompt(
+    rng: random.Random,
+    corpus: list[list[str]],
+    lo: int,
+    hi: int,
+    count_tokens: Callable[[str], int] | None,
+    head: str = "",
+) -> str:
+    """``head`` and whole lines of several source files after it, cut to a drawn target of
+    ``lo``..``hi`` tokens (counted by ``count_tokens``, else ~3 characters a token)."""
+    count = count_tokens or (lambda text: len(text) // CHARS_PER_TOKEN)
+    want = rng.randint(lo, hi)
+    lines: list[str] = []
+    while True:
+        src = rng.choice(corpus)
+        i = rng.randrange(len(src) - 40)
+        lines += src[i : i + 120]
+        if count(head + "\n".join(lines)) >= want:
+            break
+    lo_n, hi_n = 1, len(lines)  # the most lines within the target (binary search)
+    while lo_n < hi_n:
+        mid = (lo_n + hi_n + 1) // 2
+        if count(head + "\n".join(lines[:mid])) <= want:
+            lo_n = mid
+        else:
+            hi_n = mid - 1
+    return head + "\n".join(lines[:lo_n]) + "\n"
+
+
 def build_workload(
-    seed: int, num_requests: int, wave_size: int = 24, tenants: bool = False
+    seed: int,
+    num_requests: int,
+    wave_size: int = 24,
+    tenants: bool = False,
+    stream_fraction: float = 0.0,
+    long_fraction: float = 0.0,
+    long_tokens: tuple[int, int] = LONG_TOKENS,
+    count_tokens: Callable[[str], int] | None = None,
 ) -> list[Wave]:
     """``num_requests`` requests in waves of about ``wave_size`` (16..32 around it); with
-    ``tenants``, each request in one of ``TENANTS`` (drawn from a generator of its own, so the
-    prompts of a seed are the same either way)."""
+    ``tenants``, each request in one of ``TENANTS``; ``stream_fraction`` of them streamed;
+    ``long_fraction`` of them with a long prompt of ``long_tokens`` (lo, hi) tokens, counted
+    by ``count_tokens`` (the served model's tokenizer; without it ~3 characters a token). Tenants,
+    streaming and long prompts are drawn from generators of their own: every other request of
+    a seed is the same either way."""
     rng = random.Random(f"kvguard-fuzz-workload-{seed}")
     tenant_rng = random.Random(f"kvguard-fuzz-tenants-{seed}")
+    stream_rng = random.Random(f"kvguard-fuzz-stream-{seed}")
+    long_rng = random.Random(f"kvguard-fuzz-long-{seed}")
     corpus = _corpus()
     headers = [_snippet(rng, corpus, 100, 320) for _ in range(6)]  # shared module headers
     open_convs: list[tuple[int, str, int, tuple]] = []  # (conversation, prompt, turn, tenant)
@@ -150,7 +206,14 @@ def build_workload(
                 conv, next_conv = next_conv, next_conv + 1
             if conv is not None and turn < 3 and len(text) < 1200:
                 later.append((conv, text, turn, tenant))
+            long = long_rng.random() < long_fraction
+            if long:  # a long prompt instead, often after a shared header (prefix hits on long
+                # reads); a later turn still extends the short one, so the rest of the
+                # workload is the seed's either way
+                head = long_rng.choice(headers) if long_rng.random() < 0.5 else ""
+                text = _long_prompt(long_rng, corpus, *long_tokens, count_tokens, head)
             cancel = rng.randint(1, 3) if rng.random() < 0.06 else None
+            stream = stream_rng.random() < stream_fraction
             w.requests.append(
                 RequestSpec(
                     f"w{w.index:03d}-{j:02d}",
@@ -161,6 +224,8 @@ def build_workload(
                     turn,
                     cancel,
                     *tenant,
+                    stream,
+                    long,
                 )
             )
         open_convs.extend(later)
