@@ -110,6 +110,9 @@ class Holder:
     in_batch: bool
     committed: int  # positions [0, committed) are written (or written by this forward): read
     slots: list[tuple[int, int]] = field(default_factory=list)  # (watched slot, row position)
+    # in the batch: the output token this forward computes (its index in the request's output;
+    # 0 for a prefill chunk, whose first token comes later), else None
+    computes: int | None = None
 
 
 def live_requests(sched, batch) -> list:
@@ -149,6 +152,23 @@ def batch_writes(batch) -> list[tuple[object, int, int]]:
     return out
 
 
+def _computes(batch) -> dict[int, int]:
+    """id(request) -> index of the output token this forward computes for it: its sequence
+    length (positions read, this forward's included) less its prompt (a decode step writing
+    position p reads output token p - prompt and computes the next one; a prefill, token 0)."""
+    if batch is None or not batch.reqs:
+        return {}
+    lens = getattr(batch, "seq_lens_cpu", None)
+    if lens is None:
+        lens = batch.seq_lens
+    if lens is None:
+        return {}
+    return {
+        id(req): max(0, int(n) - len(req.origin_input_ids))
+        for req, n in zip(batch.reqs, lens.tolist())
+    }
+
+
 class Scan:
     """One step: which live requests hold which watched slots, what the batch writes, which
     watched pages sit on the free list."""
@@ -165,12 +185,14 @@ class Scan:
         self.writes = batch_writes(batch)
         watched = torch.tensor(sorted(pages), dtype=torch.int64)
         in_batch = {id(r) for r in (batch.reqs if batch is not None else [])}
+        computes = _computes(batch)
         table = sched.req_to_token_pool.req_to_token
         for req in live_requests(sched, batch):
             row = table[req.kv.req_pool_idx, : req.kv.kv_allocated_len].to(torch.int64)
             hit = torch.nonzero(torch.isin(row // self.ps, watched)).reshape(-1)
             if hit.numel():
                 h = Holder(req, req.rid, id(req) in in_batch, req.kv.kv_committed_len)
+                h.computes = computes.get(id(req))
                 h.slots = list(zip(row[hit].tolist(), hit.tolist()))
                 self.holders.append(h)
                 for page in {s // self.ps for s, _ in h.slots}:
@@ -201,6 +223,9 @@ class Watch:
         self.contents = dict(contents)  # watched slot -> what it holds
         self.pages = {s // page_size for s in self.contents} | set(pages)
         self.victims: dict[str, str] = dict.fromkeys(victims, "writer")  # rid -> why
+        # rid -> index of the first output token a victim computed from wrong KV (read in a
+        # forward that computes that token): tokens from there on came from wrong bytes
+        self.read_at: dict[str, int] = {}
         self.exposed: set[str] = set()
         self.transient: dict[int, Content] = {}  # what this forward's readers see (in flight)
         # rid -> writer whose writes into these pages are bad (a write firewall drops them): the
@@ -269,7 +294,7 @@ class Watch:
                 self.contents[slot] = Written(namespace(req), pos, req, poisoned=True)
 
     def _judge(self, scan: Scan, step: int) -> bool:
-        before = (len(self.victims), len(self.exposed))
+        before = (len(self.victims), len(self.exposed), len(self.read_at))
         exposing = self.is_open(step)
         mine_of: dict[int, Holder] = {}
         for page in self.pages:
@@ -285,7 +310,7 @@ class Watch:
                 self._running[h.rid] = h.req
             elif exposing:
                 self.exposed.add(h.rid)
-        return (len(self.victims), len(self.exposed)) != before
+        return (len(self.victims), len(self.exposed), len(self.read_at)) != before
 
     def _harm(self, h: Holder, mine: list[tuple[int, int]], scan: Scan) -> str | None:
         """Why this holder reads (or will read) wrong KV through a watched page; None if not."""
@@ -302,6 +327,8 @@ class Watch:
             if verdict == WRONG:
                 if h.in_batch:
                     self.poisoned.setdefault(h.rid, h.req)  # it reads it in this forward
+                    if h.computes is not None:
+                        self.read_at.setdefault(h.rid, h.computes)
                 return "read wrong KV"
             if verdict == FOREIGN:
                 why = why or "read another tenant's KV"

@@ -29,6 +29,7 @@ class Injection:
     pending: dict | None = None  # a stale write not landed yet (stale_writer)
     after_forward: object = None  # callable run once after this step's forward
     cleanup: object = None  # callable(sched) -> True once the injected mess is tidied (no leak)
+    disarm: object = None  # callable run once after this step's forward, even if it raised
 
 
 def _pool(sched):
@@ -202,6 +203,127 @@ def bit_flip(sched, batch, rng, step):
     where = kvbytes.flip_bit(_pool(sched), slot, rng)
     watch = Watch(_ps(sched), step, {slot: Garbage("bit_flip")})
     return Injection("bit_flip", step, watch, {"rid": req.rid, "slot": slot, **where})
+
+
+def _resting_slot(sched, batch, rng):
+    """(request, position, slot) of a token a running decode request wrote at least two steps
+    ago (sealed, at rest), or None."""
+    reqs = _decode_reqs(batch)
+    if not reqs:
+        return None
+    req = rng.choice(reqs)
+    n = req.kv.kv_committed_len - 2
+    if n < 1:
+        return None
+    pos = rng.randint(0, n - 1)
+    return req, pos, int(_table(sched)[req.kv.req_pool_idx, pos])
+
+
+def exponent_flip(sched, batch, rng, step):
+    """A bit flip that matters: the highest exponent bit of one K/V element of a resting slot,
+    in one layer (``kvbytes.flip_exponent``: x256 in FP8), before the forward (and its check)."""
+    found = _resting_slot(sched, batch, rng)
+    if found is None:
+        return None
+    req, pos, slot = found
+    pool = _pool(sched)
+    layer = rng.randrange(kvbytes.num_layers(pool))
+    name, buf = rng.choice(sorted(kvbytes.layer_buffers(pool, layer).items()))
+    where = kvbytes.flip_exponent(buf, slot)
+    watch = Watch(_ps(sched), step, {slot: Garbage("exponent_flip")})
+    detail = {"rid": req.rid, "slot": slot, "pos": pos, "layer": layer, "buffer": name, **where}
+    return Injection("exponent_flip", step, watch, detail)
+
+
+ATTENTION_METHODS = ("forward_decode", "forward_extend")
+
+
+def _query_gain(q, layer, forward_batch, req) -> torch.Tensor | None:
+    """[kv heads, head dim]: how much a change of each element of a K row moves ``req``'s
+    attention logits at this layer (its queries of that K head, summed: grouped-query heads
+    share one), so a flip can be aimed where the victim notices it; None where not known."""
+    try:
+        rows = forward_batch.req_pool_indices.to(torch.int64).reshape(-1).tolist()
+        if not forward_batch.forward_mode.is_decode() or req.kv.req_pool_idx not in rows:
+            return None
+        i = rows.index(req.kv.req_pool_idx)  # decode: one query token per request, in order
+        heads, kv_heads, dim = layer.tp_q_head_num, layer.tp_k_head_num, layer.qk_head_dim
+        query = q.reshape(q.shape[0], heads, dim)[i].to(torch.float32)
+        return query.reshape(kv_heads, heads // kv_heads, dim).sum(dim=1)
+    except Exception:  # another layout: the flip falls back to the largest element
+        return None
+
+
+def in_forward_flip(sched, batch, rng, step):
+    """A bit flip inside the forward, after every check made before it: the highest exponent
+    bit of one K/V element of a running decode request's resting slot (written two or more
+    steps ago, sealed), flipped when attention layer L (L >= 1, drawn) is about to run, in layer
+    L's buffer (so L reads it in this very forward) or, one time in four, an earlier layer's
+    (which read it already: the next step reads it). A flip in layer L's K is aimed with the
+    victim's query (``_query_gain``: the element that raises its attention to the slot most);
+    elsewhere the largest element is flipped (``kvbytes.flip_exponent``). The attention backend's
+    ``forward_decode``/``forward_extend`` are wrapped as they are found now (kvguard's own
+    wrappers included) for this step only, and restored after the forward. An injection whose
+    layer never ran (``detail["fired"]`` false after the forward) is reported ``unfired``."""
+    found = _resting_slot(sched, batch, rng)
+    if found is None:
+        return None
+    req, pos, slot = found
+    pool = _pool(sched)
+    backend = getattr(sched.tp_worker.model_runner, "attn_backend", None)
+    if backend is None:
+        return None
+    layers = kvbytes.num_layers(pool)
+    at = rng.randint(1, layers - 1) if layers > 1 else 0
+    layer = at if at == 0 or rng.random() < 0.75 else rng.randrange(at)
+    buffers = kvbytes.layer_buffers(pool, layer)
+    # K three times in four: a K flip moves attention itself (V only what it averages)
+    name = "k" if "k" in buffers and rng.random() < 0.75 else rng.choice(sorted(buffers))
+    buf = buffers[name]
+    first = getattr(pool, "start_layer", 0) or 0
+    detail = {
+        "rid": req.rid,
+        "slot": slot,
+        "pos": pos,
+        "layer": layer,
+        "at_layer": at,
+        "buffer": name,
+        "backend": type(backend).__name__,
+        "fired": False,
+    }
+
+    cls = type(backend)
+    saved = {m: cls.__dict__.get(m) for m in ATTENTION_METHODS}
+
+    def wrap(inner):
+        def attention(self, *args, **kwargs):  # (q, k, v, layer, forward_batch, ...)
+            layer_obj = args[3] if len(args) > 3 else kwargs.get("layer")
+            if not detail["fired"] and getattr(layer_obj, "layer_id", None) == first + at:
+                detail["fired"] = True
+                gain = None
+                if name == "k" and layer == at:  # the victim's own query, about to read it
+                    fb = args[4] if len(args) > 4 else kwargs.get("forward_batch")
+                    gain = _query_gain(args[0] if args else kwargs.get("q"), layer_obj, fb, req)
+                detail["aimed"] = gain is not None
+                detail.update(kvbytes.flip_exponent(buf, slot, gain))
+            return inner(self, *args, **kwargs)
+
+        return attention
+
+    for m in ATTENTION_METHODS:
+        setattr(cls, m, wrap(getattr(cls, m)))
+
+    def disarm():
+        for m, attr in saved.items():
+            if attr is None:
+                delattr(cls, m)  # it was inherited: the class's own attribute goes again
+            else:
+                setattr(cls, m, attr)
+
+    watch = Watch(_ps(sched), step, {slot: Garbage("in_forward_flip")})
+    if layer < at:  # this forward's layer read the slot before the flip: intact for it
+        watch.transient = {slot: written_by(req, pos)}
+    return Injection("in_forward_flip", step, watch, detail, disarm=disarm)
 
 
 def stale_writer(sched, batch, rng, step):
@@ -386,4 +508,6 @@ INJECTORS = {
     "never_written": never_written,
     "bit_flip": bit_flip,
     "cross_tenant": cross_tenant,  # needs tenant isolation on and a workload with tenants
+    "exponent_flip": exponent_flip,
+    "in_forward_flip": in_forward_flip,
 }

@@ -55,6 +55,60 @@ def flip_bit(pool, slot: int, rng: random.Random) -> dict:
     return {"buffer": which, "byte": byte, "bit": bit}
 
 
+def layer_buffers(pool, layer: int) -> dict[str, torch.Tensor]:
+    """One layer's buffers by name: ``{"k": ..., "v": ...}`` (MHA) or ``{"kv": ...}`` (MLA);
+    ``layer`` counts from the pool's first layer (``layer_id - pool.start_layer``)."""
+    if hasattr(pool, "k_buffer") and hasattr(pool, "v_buffer"):
+        return {"k": pool.k_buffer[layer], "v": pool.v_buffer[layer]}
+    if hasattr(pool, "kv_buffer"):
+        return {"kv": pool.kv_buffer[layer]}
+    kv_buffers(pool)  # raises: a pool kind the injectors do not know
+    return {}
+
+
+def num_layers(pool) -> int:
+    return len(pool.k_buffer) if hasattr(pool, "k_buffer") else len(kv_buffers(pool))
+
+
+def _as_float(raw: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """[n, element bytes] uint8 -> [n] float32 values (bytes stored as uint8: FP8 e4m3)."""
+    if dtype in (torch.uint8, torch.int8):
+        dtype = torch.float8_e4m3fn
+    return raw.contiguous().view(dtype).reshape(-1).to(torch.float32, copy=True)
+
+
+def flip_exponent(buf: torch.Tensor, slot: int, gain: torch.Tensor | None = None) -> dict:
+    """Flip the highest exponent bit of one element of ``slot``'s row in ``buf`` (bit 6 of its
+    most significant byte: FP8 e4m3/e5m2, bf16, fp16 and fp32 alike), in place. Of the
+    elements whose bit is clear (the flip multiplies them: x256 in FP8 e4m3) and whose flipped
+    value stays finite, the one whose change weighs most: by ``gain`` (per element, how much a
+    change of it moves what a reader computes, e.g. a reader's query for a K row: the change's
+    signed effect on its attention logit), else by its magnitude. The worst one such flip can
+    do to the row. Returns where, and the value before and after."""
+    row = buf[slot]  # a view: the flip lands in the pool
+    width = row.element_size()
+    raw = row.reshape(-1).view(torch.uint8).reshape(-1, width)  # little endian: last = high
+    flipped = raw.clone()
+    flipped[:, width - 1] ^= 0x40
+    before, after = _as_float(raw, buf.dtype), _as_float(flipped, buf.dtype)
+    ok = ((raw[:, width - 1] & 0x40) == 0) & torch.isfinite(after)
+    if not bool(ok.any()):
+        ok = torch.isfinite(after)
+    if gain is not None and gain.numel() == before.numel():
+        effect = gain.reshape(-1).to(torch.float32) * (after - before)
+    else:
+        effect = before.abs()
+    score = torch.where(ok, effect, torch.full_like(before, -torch.inf))
+    elem = int(score.argmax())
+    raw[elem, width - 1] ^= 0x40
+    return {
+        "element": elem,
+        "byte": elem * width + width - 1,
+        "bit": 6,
+        "value": [float(before[elem]), float(after[elem])],
+    }
+
+
 def changed(pool, slots: torch.Tensor, saved: list[torch.Tensor]) -> torch.Tensor:
     """[n] bool: which slots' bytes differ (in any buffer) from a ``snapshot``. Bytes, not values:
     a NaN equals itself here."""

@@ -3,7 +3,12 @@ the scheduler. Inert unless ``KVGUARD_FUZZ_CONTROL`` names a control file; then,
 forward, it reads new plan entries from that file (only when it changed), injects each one at the
 first step where it fits, and follows every injection through later steps (``accounting.Watch``:
 its victims and the requests only exposed to it), appending a JSON line to ``KVGUARD_FUZZ_LOG``
-per event (``injected``, ``victims``, ``landed``, ``skipped``, ``injector_error``).
+per event (``injected``, ``victims``, ``landed``, ``skipped``, ``fired``, ``unfired``,
+``injector_error``; and ``read_sets``, how many KV tokens the steps' batches read, every 64 steps).
+
+An injection may act inside the forward (``in_forward_flip``): it wraps the attention backend's
+methods as found at that moment and hands back ``disarm``, run right after the forward (even one
+that raised); one whose flip never happened is reported ``unfired`` and followed no further.
 
 Entries of class ``guard_fault`` make the guard's own hooks fail instead (``guard_faults``):
 they are armed when read, on every rank unless the entry names one.
@@ -38,6 +43,7 @@ _ALLOC = "sglang.srt.mem_cache.allocator.base.BaseTokenToKVPoolAllocator"
 _RADIX = "sglang.srt.mem_cache.unified_radix_cache.UnifiedRadixCache"
 _KEY = "sglang.srt.mem_cache.radix_cache.RadixKey"
 _POOLS = "sglang.srt.mem_cache.memory_pool"
+_ATTN = "sglang.srt.layers.attention.torch_native_backend.TorchNativeAttnBackend"
 # fmt: off
 FUZZ_NAMES = [
     (f"{_SCHED}.tp_worker", "attribute", "injectors", "reaches the model runner's KV pool"),
@@ -94,10 +100,16 @@ FUZZ_NAMES = [
     (f"{_POOLS}.MHATokenToKVPool.k_buffer", "attribute", "kvbytes", "K per layer"),
     (f"{_POOLS}.MHATokenToKVPool.v_buffer", "attribute", "kvbytes", "V per layer"),
     (f"{_POOLS}.MLATokenToKVPool.kv_buffer", "attribute", "kvbytes", "one latent row per token and layer"),
+    ("sglang.srt.model_executor.model_runner.ModelRunner.attn_backend", "attribute", "injectors", "in_forward_flip wraps its class's methods"),
+    (f"{_ATTN}.forward_decode", "callable", "injectors", "in_forward_flip: flips before a decode layer reads"),
+    (f"{_ATTN}.forward_extend", "callable", "injectors", "same, for an extend forward"),
+    ("sglang.srt.layers.radix_attention.RadixAttention.layer_id", "attribute", "injectors", "which layer is about to read"),
+    (f"{_BATCH}.seq_lens_cpu", "attribute", "plugin", "KV tokens a step reads (read_sets)"),
 ]
 # fmt: on
 
 _state = None
+READ_STATS_EVERY = 64  # steps between two ``read_sets`` log lines
 
 
 class FuzzState:
@@ -110,6 +122,8 @@ class FuzzState:
         self.active = []  # injections still being watched (victims, stale writes, cleanups)
         self.step = 0
         self.rank = 0  # tensor-parallel rank, known from the first batch
+        # KV tokens read per step (batch seq_lens): steps, largest, steps above 512 / 2048, sum
+        self.reads = {"steps": 0, "max": 0, "over_512": 0, "over_2048": 0, "tokens": 0}
 
     def poll(self):
         try:
@@ -134,6 +148,27 @@ class FuzzState:
                         self.log({"event": "armed", **entry})
                 else:
                     self.queue.append(entry)
+
+    def note_reads(self, batch):
+        """Count the KV tokens this step's batch read (its requests' sequence lengths), and
+        every ``READ_STATS_EVERY`` steps log how large read sets were (``read_sets``)."""
+        lens = getattr(batch, "seq_lens_cpu", None)
+        if lens is None:
+            lens = getattr(batch, "seq_lens", None)
+        if lens is None:
+            return
+        try:
+            n = int(lens.sum())
+        except Exception:
+            return
+        r = self.reads
+        r["steps"] += 1
+        r["max"] = max(r["max"], n)
+        r["over_512"] += n > 512
+        r["over_2048"] += n > 2048
+        r["tokens"] += n
+        if r["steps"] % READ_STATS_EVERY == 0:
+            self.log({"event": "read_sets", "step": self.step, **r})
 
     def log(self, record: dict):
         if self.log_path:
@@ -179,8 +214,29 @@ def around_run_batch(original, sched, batch, *args, **kwargs):
         events.append((new, "injected"))  # made, even if following it failed
     for inj, kind in events:
         _record(st, inj, kind)
-    out = original(sched, batch, *args, **kwargs)
     try:
+        out = original(sched, batch, *args, **kwargs)
+    finally:
+        if new is not None and new.disarm is not None:  # an in-forward injection's wrapper
+            try:
+                new.disarm()
+            except Exception as exc:
+                st.log({"event": "injector_error", "step": st.step, "error": repr(exc)})
+    st.note_reads(batch)
+    try:
+        if new is not None and new.detail.get("fired") is False:  # its layer never ran
+            st.active.remove(new)
+            st.log(
+                {
+                    "event": "unfired",
+                    "id": new.detail.get("id"),
+                    "cls": new.cls,
+                    "at_step": st.step,
+                    "detail": new.detail,
+                }
+            )
+        elif new is not None and new.detail.get("fired"):
+            _record(st, new, "fired")  # what the flip did, now that it happened
         for fn in after:
             fn()
         if scan is not None:
@@ -231,6 +287,7 @@ def _record(st, inj, event):
             "victims": sorted(w.victims),
             "why": w.victims,  # rid -> how it was harmed (read wrong KV, page on the free list, ...)
             "exposed": w.only_exposed,  # held a page involved, own KV intact
+            "read_at": w.read_at,  # rid -> first output token computed from wrong KV
             "detail": inj.detail,
             "pending": inj.pending is not None,  # a stale write not landed yet
             "bad_writes": [w.bad_writes_landed, w.bad_writes],  # landed, made (shared_write)
