@@ -127,6 +127,46 @@ VBMI static inline void dequant16_vbmi(const uint8_t *src, uint16_t *dst, i64 n,
     }
 }
 
+/* dequant16_vbmi and the row's inner part in the same pass: the words are hashed from the
+ * register the lookup loaded (w * C = w * lo + ((w * hi) << 32), lanes reduced once per row) */
+VBMI static inline u64 dequant16_hash_vbmi(const uint8_t *src, uint16_t *dst, i64 n, const ByteTables *bt,
+                                          const uint32_t *lo, const uint32_t *hi) {
+    const __m512i first = _mm512_set_epi64(11, 10, 3, 2, 9, 8, 1, 0);
+    const __m512i second = _mm512_set_epi64(15, 14, 7, 6, 13, 12, 5, 4);
+    __m512i s64 = _mm512_setzero_si512(), s32 = _mm512_setzero_si512();
+    for (i64 off = 0; off < n; off += 64) {
+        const i64 left = n - off;
+        const __mmask64 m = left >= 64 ? ~(__mmask64)0 : (((__mmask64)1 << left) - 1);
+        const __mmask16 mw = left >= 64 ? (__mmask16)0xFFFF : (__mmask16)(((unsigned)1 << (left / 4)) - 1);
+        const __m512i x = _mm512_maskz_loadu_epi8(m, src + off);
+        const __m512i clo = _mm512_maskz_loadu_epi32(mw, lo + off / 4);
+        const __m512i chi = _mm512_maskz_loadu_epi32(mw, hi + off / 4);
+        s64 = _mm512_add_epi64(s64, _mm512_mul_epu32(x, clo));
+        s64 = _mm512_add_epi64(s64, _mm512_mul_epu32(_mm512_srli_epi64(x, 32), _mm512_srli_epi64(clo, 32)));
+        s32 = _mm512_add_epi32(s32, _mm512_mullo_epi32(x, chi));
+        const __mmask64 top = _mm512_movepi8_mask(x);
+        const __m512i lo8 = _mm512_mask_blend_epi8(top, _mm512_permutex2var_epi8(bt->lo[0], x, bt->lo[1]),
+                                                   _mm512_permutex2var_epi8(bt->lo[2], x, bt->lo[3]));
+        const __m512i hi8 = _mm512_mask_blend_epi8(top, _mm512_permutex2var_epi8(bt->hi[0], x, bt->hi[1]),
+                                                   _mm512_permutex2var_epi8(bt->hi[2], x, bt->hi[3]));
+        const __m512i a = _mm512_unpacklo_epi8(lo8, hi8), b = _mm512_unpackhi_epi8(lo8, hi8);
+        const __m512i out0 = _mm512_permutex2var_epi64(a, first, b);
+        const __m512i out1 = _mm512_permutex2var_epi64(a, second, b);
+        if (left >= 64) {
+            _mm512_storeu_si512((void *)(dst + off), out0);
+            _mm512_storeu_si512((void *)(dst + off + 32), out1);
+        } else {
+            const __mmask32 m0 = left >= 32 ? ~(__mmask32)0 : (((__mmask32)1 << left) - 1);
+            const __mmask32 m1 = left > 32 ? (((__mmask32)1 << (left - 32)) - 1) : 0;
+            _mm512_mask_storeu_epi16(dst + off, m0, out0);
+            _mm512_mask_storeu_epi16(dst + off + 32, m1, out1);
+        }
+    }
+    const u64 s1 = (u64)_mm512_reduce_add_epi64(s64);
+    const uint32_t s2 = (uint32_t)_mm512_reduce_add_epi32(s32);
+    return s1 + ((u64)s2 << 32);
+}
+
 VBMI static i64 gather_dequant16_vbmi(const uint8_t *src, i64 slot_stride, i64 row_bytes, i64 num_slots,
                                       const i64 *rows, i64 n, const uint16_t *table, uint8_t *out,
                                       const uint32_t *lo, const uint32_t *hi, u64 *acc);
@@ -215,8 +255,11 @@ VBMI static i64 gather_dequant16_vbmi(const uint8_t *src, i64 slot_stride, i64 r
             continue;
         }
         const uint8_t *row = src + slot * slot_stride;
-        if (acc) acc[i] += hi ? row_inner((const uint32_t *)row, lo, hi, words)
-                              : row_inner_lo((const uint32_t *)row, lo, words);
+        if (acc && hi) {
+            acc[i] += dequant16_hash_vbmi(row, (uint16_t *)dst, row_bytes, &bt, lo, hi);
+            continue;
+        }
+        if (acc) acc[i] += row_inner_lo((const uint32_t *)row, lo, words);
         dequant16_vbmi(row, (uint16_t *)dst, row_bytes, &bt);
     }
     return bad;
