@@ -3,8 +3,21 @@ with the fuzz plugin armed, run the workload once clean (the reference, and the 
 throughput), then again with the injection schedule fed to the control file wave by wave, and
 judge every request with the oracle.
 
-Guard modes: kvguard's ``off``, ``tags``, ``sampled``, ``paranoid``; and ``canary``: kvguard off,
-SGLang's own ``--kv-canary log`` on (it only logs: its detections are counted from its log lines).
+Guard modes: kvguard's ``off``, ``tags``, ``sampled``, ``paranoid``, ``verified``; ``default``:
+no ``--kvguard-mode`` at all (whatever kvguard-serve defaults to; the mode it reports is
+recorded); and ``canary``: kvguard off, SGLang's own ``--kv-canary log`` on (it only logs: its
+detections are counted from its log lines).
+
+The guard-off arm (mode ``off``) runs the same injected workload in full: a server death there
+restarts the server for the rest of the workload however often it happens (``off_max_deaths``),
+since its escape rate is the campaign's sensitivity (an oracle that sees nothing with the guard
+off is not measuring anything).
+
+Streaming (``stream_fraction``): that share of the requests is streamed, in both passes, and the
+oracle scores every token a client was sent. Large read sets: ``max_total_tokens`` of 65,536 and
+more, and ``long_fraction`` of the requests with prompts of ``long_tokens`` tokens (clamped to
+the model's context, ``context_length`` if set), so steps read more than the ``sampled`` mode's
+per-step budget; the plugin logs how many KV tokens steps read (``read_sets``).
 
 With ``tenant_isolation`` every server runs with ``--kvguard-tenant-isolation`` and the workload
 carries tenants (prefix-cache namespaces); the ``cross_tenant`` class needs both.
@@ -22,6 +35,7 @@ from pathlib import Path
 from kvguard.fuzz.client import Response, run_wave
 from kvguard.fuzz.oracle import (
     TIE_MARGIN,
+    UNGUARDED,
     canary_flags,
     classify,
     guard_violations,
@@ -31,7 +45,7 @@ from kvguard.fuzz.oracle import (
 from kvguard.fuzz.workload import Wave
 from kvguard.serve.child import ServeProcess, ServerDied
 
-MODES = ("off", "tags", "sampled", "paranoid", "canary")
+MODES = ("off", "tags", "sampled", "paranoid", "verified", "default", "canary")
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,6 +67,15 @@ class Settings:
     tie_margin: float = TIE_MARGIN
     configs: tuple[tuple[str, int], ...] = ()  # (mode, page size) in run order; default: all pairs
     tenant_isolation: bool = False  # --kvguard-tenant-isolation, and a workload with tenants
+    stream_fraction: float = 0.0  # share of the requests streamed (SSE), scored token by token
+    long_fraction: float = 0.0  # share of the requests with a long prompt
+    long_tokens: tuple[int, int] = (1500, 3000)  # a long prompt's tokens (clamped to the context)
+    context_length: int | None = None  # --context-length (may exceed the model's own)
+    off_max_deaths: int | None = None  # server deaths after which mode off stops (None: never)
+    # --kvguard-quarantine-cap of the guarded modes: a campaign quarantines pages far faster than
+    # serving does, and at the default (1% of a 2,048-token pool: one page) every detection
+    # would fail the guard closed (/health 503) until its victim is released
+    quarantine_cap: float | None = 0.25
 
 
 @dataclass(slots=True)
@@ -62,6 +85,7 @@ class ConfigRun:
     dir: Path
     result: dict = field(default_factory=dict)
     reference: dict = field(default_factory=dict)  # key -> clean-pass (output ids, top-2)
+    partial: dict = field(default_factory=dict)  # key -> what a clean-pass stream was sent
 
     @property
     def name(self) -> str:
@@ -81,9 +105,13 @@ def server_args(s: Settings, mode: str, page_size: int) -> list[str]:
         "--random-seed",
         str(s.seed),
         "--sleep-on-idle",
-        "--kvguard-mode",
-        "off" if mode == "canary" else mode,
     ]
+    if mode != "default":  # "default": whatever kvguard-serve runs without the flag
+        args += ["--kvguard-mode", "off" if mode == "canary" else mode]
+    if s.quarantine_cap and mode not in UNGUARDED:
+        args += ["--kvguard-quarantine-cap", str(s.quarantine_cap)]
+    if s.context_length:
+        args += ["--context-length", str(s.context_length)]
     if mode == "canary":
         args += [
             "--kv-canary",
@@ -123,12 +151,15 @@ class Runner:
             env["SGLANG_KV_CANARY_RING_CAPACITY"] = (
                 "65536"  # log every violation, not the first 1024
             )
+        if self.s.context_length:  # a longer context than the model's own (RoPE extrapolates)
+            env["SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN"] = "1"
         srv = ServeProcess(
             server_args(self.s, run.mode, run.page_size), run.dir / "server.log", env
         )
         t0 = time.monotonic()
         srv.start()
         run.result.setdefault("start_seconds", []).append(round(time.monotonic() - t0, 1))
+        run.result.setdefault("guard_status", _guard_status(srv))
         return srv
 
     def _write_plan(self):
@@ -174,7 +205,7 @@ class Runner:
             got = asyncio.run(run_wave(srv.url, w.requests, "c"))
             responses += got
             self.progress(len(got), {"cfg": run.name, "pass": "clean"})
-            if not srv.healthy():
+            if not _alive(srv, run.result):
                 raise ServerDied(
                     f"{run.name}: server died in the clean pass (wave {w.index}):\n"
                     + srv.log_tail()
@@ -209,6 +240,7 @@ class Runner:
                     canary_flags(f.read().decode(errors="replace"))
                 )
         reference = run.reference = reference_of(responses)
+        run.partial = partial_reference_of(responses)
         _dump(run.dir / "clean.jsonl", responses)
         return reference, responses
 
@@ -234,7 +266,7 @@ class Runner:
                 )
             )
             responses += got
-            wave["alive"] = srv.healthy()
+            wave["alive"] = _alive(srv, run.result)
             if wave["alive"]:
                 wave["idle"] = _idle(srv)
             wave["log_to"], wave["inj_to"] = srv.log_size(), _lines(inj_log)
@@ -245,7 +277,10 @@ class Runner:
                     {"wave": w.index, "exit_code": srv.proc.poll(), "log_tail": srv.log_tail(3000)}
                 )
                 srv.stop()
-                if len(run.result["deaths"]) >= self.s.max_deaths:
+                limit = self.s.max_deaths
+                if run.mode == "off":  # the guard-off arm runs in full: it is the sensitivity
+                    limit = self.s.off_max_deaths or len(self.waves) + 1
+                if len(run.result["deaths"]) >= limit:
                     run.result["stopped_early"] = f"after {len(run.result['deaths'])} server deaths"
                     break
                 if i + 1 < len(self.waves):
@@ -267,8 +302,39 @@ def reference_of(responses: list[Response]) -> dict:
     return {
         r.key: (r.output_ids, r.top2)
         for r in responses
-        if not r.client_abort and r.status == 200 and r.violation is None and r.output_ids
+        if not r.client_abort
+        and r.status == 200
+        and r.violation is None
+        and r.output_ids
+        and (not r.streamed or r.stream_end == "done")
     }
+
+
+def partial_reference_of(responses: list[Response]) -> dict:
+    """key -> (tokens, top-2) a clean-pass stream was sent before its client dropped it: what
+    the same drop in the injected pass is scored against, as far as both got."""
+    return {
+        r.key: (r.stream_ids, r.stream_top2)
+        for r in responses
+        if r.client_abort and r.streamed and r.violation is None and r.stream_ids
+    }
+
+
+def _guard_status(srv: ServeProcess) -> dict:
+    """The guard as the server reports it (``/server_info``: mode, active): which mode
+    ``default`` really ran."""
+    try:
+        import requests
+
+        info = requests.get(f"{srv.url}/server_info", timeout=30).json()
+    except Exception as e:
+        return {"error": f"{type(e).__name__}: {e}"}
+    status = info.get("kvguard")
+    if isinstance(status, list):
+        status = status[0] if status else None
+    if not isinstance(status, dict):
+        return {"active": False}
+    return {k: status.get(k) for k in ("active", "mode", "sweep_tokens_per_step") if k in status}
 
 
 def judge(
@@ -287,8 +353,16 @@ def judge(
     log_text = log_bytes.decode(errors="replace")
     server_events = read_jsonl(run.dir / "server.log")
     records, injections = classify(
-        reference, injected, injections, guard_violations(server_events), tie_margin
+        reference,
+        injected,
+        injections,
+        guard_violations(server_events),
+        tie_margin,
+        partial=run.partial or partial_reference_of(clean),
     )
+    reads = [e for e in inj_events if e.get("event") == "read_sets"]
+    if reads:  # how many KV tokens steps read (the last tally of each server instance)
+        res["read_sets"] = _read_sets(reads)
     for inj in injections.values():
         inj["landed_wave"] = _landed_wave(inj["id"], inj_events, res["waves"])
     if run.mode == "canary":
@@ -297,6 +371,9 @@ def judge(
     res["memory_leak_warnings"] = log_text.count("memory leak detected")
     res["guard_memory_check_warnings"] = sum(
         1 for e in server_events if e.get("event") == "kvguard_engine_memory_check_after_violations"
+    )
+    res["guard_failed_closed"] = sum(
+        1 for e in server_events if e.get("event") == "kvguard_failed_closed"
     )
     res["guard_errors"] = sum(
         1
@@ -308,6 +385,24 @@ def judge(
     res["injections"] = sorted(injections.values(), key=lambda x: x["id"])
     for inj in res["injections"]:
         inj["victims"] = sorted(inj["victims"])
+
+
+FAIL_CLOSED_WAIT_S = 60  # how long a live server answering /health 503 may take to clear
+
+
+def _alive(srv: ServeProcess, res: dict) -> bool:
+    """Healthy, or back to healthy within ``FAIL_CLOSED_WAIT_S``: a guard that failed closed
+    (quarantine cap) answers /health 503 until the quarantined pages' holders are released,
+    and that is no server death (``failed_closed_waits`` counts it)."""
+    if srv.healthy():
+        return True
+    deadline = time.monotonic() + FAIL_CLOSED_WAIT_S
+    while srv.running() and time.monotonic() < deadline:
+        time.sleep(1)
+        if srv.healthy():
+            res["failed_closed_waits"] = res.get("failed_closed_waits", 0) + 1
+            return True
+    return False
 
 
 def _idle(srv: ServeProcess) -> dict:
@@ -357,3 +452,18 @@ def _canary_attribution(res: dict, injections: dict[int, dict], raw: bytes):
         )
     quiet = [w for w in res["waves"] if not w["entries"]]
     res["canary_violations_in_waves_without_injection"] = sum(w["canary_violations"] for w in quiet)
+
+
+def _read_sets(events: list[dict]) -> dict:
+    """Fold the plugin's running ``read_sets`` tallies (one series per server instance: a
+    series restarts when ``steps`` goes down) into one."""
+    last: list[dict] = []
+    for ev in events:
+        if last and ev["steps"] > last[-1]["steps"]:
+            last[-1] = ev
+        else:
+            last.append(ev)
+    out = {k: sum(e.get(k, 0) for e in last) for k in ("steps", "over_512", "over_2048", "tokens")}
+    out["max"] = max(e.get("max", 0) for e in last)
+    out["mean"] = round(out["tokens"] / out["steps"], 1) if out["steps"] else 0
+    return out

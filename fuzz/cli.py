@@ -5,6 +5,12 @@ Example (a few minutes)::
 
     kvguard-fuzz --seed 1 --guard-mode paranoid --page-size 16 --requests 100 --injections 10 \\
         --out runs/fuzz-1
+
+A streaming campaign with bit flips before and inside the forward, the guard-off arm beside
+the default mode, and read sets past the sampled budget::
+
+    kvguard-fuzz --seed 1 --guard-mode default --off-arm --stream --large-reads \\
+        --classes exponent_flip,in_forward_flip,bit_flip --requests 100 --injections 16
 """
 
 from __future__ import annotations
@@ -20,7 +26,7 @@ from pathlib import Path
 
 from kvguard.fuzz.campaign import MODES, Runner, Settings
 from kvguard.fuzz.injectors import INJECTORS
-from kvguard.fuzz.oracle import TIE_MARGIN, compare
+from kvguard.fuzz.oracle import TIE_MARGIN, UNGUARDED, compare
 from kvguard.fuzz.report import write_all
 from kvguard.fuzz.workload import TENANT_CLASSES, build_workload, schedule_injections
 
@@ -63,10 +69,12 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--max-total-tokens",
         type=int,
-        default=2048,
-        help="KV pool size (small: eviction, retraction)",
+        default=None,
+        help="KV pool size (default 2048, small: eviction, retraction; 65536 with --large-reads)",
     )
-    p.add_argument("--chunked-prefill-size", type=int, default=64)
+    p.add_argument(
+        "--chunked-prefill-size", type=int, default=None, help="default 64 (512 with --large-reads)"
+    )
     p.add_argument(
         "--canary-sweep-interval",
         type=int,
@@ -96,6 +104,58 @@ def parser() -> argparse.ArgumentParser:
         help="serve with --kvguard-tenant-isolation and give the workload tenants (prefix-cache "
         "namespaces); default: on when a tenant class (" + ", ".join(TENANT_CLASSES) + ") runs",
     )
+    p.add_argument(
+        "--stream",
+        type=float,
+        nargs="?",
+        const=1.0,
+        default=0.0,
+        metavar="FRACTION",
+        help="stream this share of the requests (SSE; default with the flag: all): every token "
+        "a client is sent is scored, and one that differs from the clean run's is an escape "
+        "even if the guard aborts the request afterwards",
+    )
+    p.add_argument(
+        "--long-prompts",
+        type=float,
+        default=None,
+        metavar="FRACTION",
+        help="give this share of the requests a long prompt (--long-prompt-tokens)",
+    )
+    p.add_argument(
+        "--long-prompt-tokens",
+        default="1500-3000",
+        metavar="LO-HI",
+        help="a long prompt's tokens, counted with the model's tokenizer, clamped to its context "
+        "(default 1500-3000)",
+    )
+    p.add_argument(
+        "--context-length",
+        type=int,
+        default=None,
+        help="serve with this --context-length (may exceed the model's own: RoPE extrapolates)",
+    )
+    p.add_argument(
+        "--large-reads",
+        action="store_true",
+        help="read sets past the sampled budget: a pool of 65,536 tokens (unless "
+        "--max-total-tokens), a quarter of the requests with long prompts (unless "
+        "--long-prompts), chunked prefill 512 (unless --chunked-prefill-size)",
+    )
+    p.add_argument(
+        "--off-arm",
+        action="store_true",
+        help="also run the injected workload with the guard off (mode off at every page size, "
+        "after the others), in full: its escape rate is the campaign's sensitivity",
+    )
+    p.add_argument(
+        "--quarantine-cap",
+        type=float,
+        default=0.25,
+        metavar="FRACTION",
+        help="--kvguard-quarantine-cap of the guarded servers (default 0.25: injections "
+        "quarantine pages far faster than serving does; 0: kvguard-serve's own default)",
+    )
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument(
         "--rejudge",
@@ -115,6 +175,8 @@ def settings_from(args: argparse.Namespace) -> Settings:
     for item in _list(args.guard_mode) or ["paranoid"]:
         mode, _, ps = item.partition("@")
         configs += [(mode, int(ps))] if ps else [(mode, p) for p in page_sizes]
+    if args.off_arm:
+        configs += [("off", p) for p in dict.fromkeys(ps for _, ps in configs)]
     configs = list(dict.fromkeys(configs))
     modes = list(dict.fromkeys(m for m, _ in configs))
     bad_modes = [m for m in modes if m not in MODES]
@@ -133,6 +195,17 @@ def settings_from(args: argparse.Namespace) -> Settings:
             f"kvguard-fuzz: error: {', '.join(tenant_classes)} runs only with tenant isolation "
             "(drop --no-tenant-isolation, or leave the class out with --classes)"
         )
+    try:
+        lo, _, hi = args.long_prompt_tokens.partition("-")
+        long_tokens = (int(lo), int(hi or lo))
+    except ValueError:
+        raise SystemExit(
+            f"kvguard-fuzz: error: --long-prompt-tokens {args.long_prompt_tokens!r}: want LO-HI"
+        ) from None
+    large = args.large_reads
+    long_fraction = args.long_prompts if args.long_prompts is not None else 0.25 if large else 0.0
+    if not 0 <= args.stream <= 1 or not 0 <= long_fraction <= 1:
+        raise SystemExit("kvguard-fuzz: error: --stream and --long-prompts are fractions in [0, 1]")
     return Settings(
         seed=args.seed,
         classes=tuple(classes),
@@ -144,13 +217,18 @@ def settings_from(args: argparse.Namespace) -> Settings:
         out=args.out or Path("runs") / f"fuzz-{args.seed}",
         model_path=args.model_path,
         wave_size=args.wave_size,
-        max_total_tokens=args.max_total_tokens,
-        chunked_prefill_size=args.chunked_prefill_size,
+        max_total_tokens=args.max_total_tokens or (65536 if large else 2048),
+        chunked_prefill_size=args.chunked_prefill_size or (512 if large else 64),
         canary_sweep_interval=args.canary_sweep_interval,
         max_tries=args.max_tries,
         max_deaths=args.max_deaths,
         tie_margin=args.tie_margin,
         tenant_isolation=isolation,
+        stream_fraction=args.stream,
+        long_fraction=long_fraction,
+        long_tokens=long_tokens,
+        context_length=args.context_length,
+        quarantine_cap=args.quarantine_cap or None,
     )
 
 
@@ -186,10 +264,7 @@ def model_identity(model_path: str | None) -> dict:
     """Which weights were served: the path and a digest of the safetensors files."""
     import hashlib
 
-    if model_path is None:
-        from kvguard.serve.default_model import DEFAULT_MODEL_DIR
-
-        model_path = str(DEFAULT_MODEL_DIR)
+    model_path = str(_model_dir(model_path))
     h = hashlib.sha256()
     for f in sorted(Path(model_path).glob("*.safetensors")):
         h.update(f.read_bytes())
@@ -222,8 +297,22 @@ def run_campaign(s: Settings, progress: bool = True, command: str = "") -> dict:
         "settings": _fields(s),
         "configs": [],
     }
+    count_tokens, long_tokens = None, s.long_tokens
+    if s.long_fraction:
+        count_tokens, context = token_counter(s.model_path)
+        long_tokens = clamp_long_tokens(s.long_tokens, s.context_length or context)
+        report["long_tokens"] = list(long_tokens)
     for mode, ps in configs:
-        waves = build_workload(s.seed, s.num_requests, s.wave_size, tenants=s.tenant_isolation)
+        waves = build_workload(
+            s.seed,
+            s.num_requests,
+            s.wave_size,
+            tenants=s.tenant_isolation,
+            stream_fraction=s.stream_fraction,
+            long_fraction=s.long_fraction,
+            long_tokens=long_tokens,
+            count_tokens=count_tokens,
+        )
         schedule_injections(s.seed, waves, s.num_injections, list(s.classes), s.max_tries)
         if mode == configs[0][0] and ps == configs[0][1]:
             report["schedule"] = [e for w in waves for e in w.injections]
@@ -238,6 +327,50 @@ def run_campaign(s: Settings, progress: bool = True, command: str = "") -> dict:
     if bar is not None:
         bar.close()
     return report
+
+
+def _model_dir(model_path: str | None) -> Path:
+    if model_path is None:
+        from kvguard.serve.default_model import DEFAULT_MODEL_DIR
+
+        return Path(DEFAULT_MODEL_DIR)
+    return Path(model_path)
+
+
+def token_counter(model_path: str | None):
+    """(prompt -> token count with the served model's tokenizer, the model's context length);
+    (None, None) where either is not found (long prompts are then sized by characters)."""
+    import json
+
+    root = _model_dir(model_path)
+    count = context = None
+    try:
+        from tokenizers import Tokenizer
+
+        tok = Tokenizer.from_file(str(root / "tokenizer.json"))
+
+        def count(text: str) -> int:
+            return len(tok.encode(text).ids)
+
+    except Exception:
+        count = None
+    try:
+        cfg = json.loads((root / "config.json").read_text())
+        context = cfg.get("max_position_embeddings")
+    except (OSError, ValueError):
+        pass
+    return count, context
+
+
+def clamp_long_tokens(want: tuple[int, int], context: int | None) -> tuple[int, int]:
+    """A long prompt's token range, within the context less room for the longest output."""
+    if not context:
+        return want
+    from kvguard.fuzz.workload import MAX_NEW_TOKENS
+
+    top = context - max(MAX_NEW_TOKENS) - 32  # output, special tokens, a tokenizer's slack
+    hi = min(want[1], top)
+    return min(want[0], hi), hi
 
 
 def noise_floor(first, run, tie_margin: float) -> dict:
@@ -269,7 +402,7 @@ def rejudge(out: Path, tie_margin: float) -> dict:
     import copy
     import json
 
-    from kvguard.fuzz.campaign import ConfigRun, judge, reference_of
+    from kvguard.fuzz.campaign import ConfigRun, judge, partial_reference_of, reference_of
     from kvguard.fuzz.client import Response
 
     report = json.loads((out / "report.json").read_text())
@@ -286,6 +419,7 @@ def rejudge(out: Path, tie_margin: float) -> dict:
         if not answers["clean"]:
             continue
         run.reference = reference_of(answers["clean"])
+        run.partial = partial_reference_of(answers["clean"])
         planned = copy.deepcopy(report.get("schedule", []))
         judge(run, planned, run.reference, answers["clean"], answers["injected"], tie_margin)
         if first is None:
@@ -311,7 +445,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _failed(report: dict) -> bool:
-    bad = [c for c in report["configs"] if c["mode"] not in ("off", "canary") and c["verdict"]]
+    bad = [c for c in report["configs"] if c["mode"] not in UNGUARDED and c["verdict"]]
     for c in bad:
         print(f"{c['mode']} ps{c['page_size']}: " + "; ".join(c["verdict"]), file=sys.stderr)
     return bool(bad)

@@ -1,36 +1,55 @@
 """The oracle: what reached each client, judged against the clean reference run.
 
-Request outcomes (requests the client itself dropped are ``client_abort`` and not scored):
+Request outcomes (requests the client itself dropped are ``client_abort``, unless a token it
+was sent before it dropped them already differed from the clean pass's: ``escaped``):
 
-- ``clean``: output identical to the reference, token for token;
-- ``detected``: aborted by kvguard and a victim of an injection (it read, or would have read,
-  wrong KV bytes because of it: see ``accounting``);
-- ``collateral``: aborted by kvguard, a victim of no injection, but exposed to one (it held a
-  page an injection involved while its own KV stayed intact: its output would have matched);
-- ``escaped``: completed, output differs from the reference (victim or not) at a token the
-  model chose decisively; or completed as a victim of a leak class (``cross_tenant``: it was
-  served from another tenant's KV, whatever its tokens);
+- ``clean``: output identical to the reference, token for token, and the request no victim of
+  an injection;
+- ``exposed``: a victim of an injection (it read, or would have read, wrong KV bytes: see
+  ``accounting``) that completed with the reference output, token for token: the wrong bytes
+  changed no greedy token this time. Not an escape, not nothing either;
+
+Besides its outcome, a victim's record counts ``tokens_from_wrong_kv``: tokens that reached its
+client (streamed, or in its completed output) although the forward that computed them read wrong
+KV bytes (the accounting names the first such token). Same or not, they left unverified: a guard
+that checks what attention read before a step's tokens go out sends none.
+- ``detected``: aborted by kvguard and a victim of an injection, every token it was sent before
+  the abort (streamed) the reference's;
+- ``collateral``: aborted by kvguard, a victim of no injection, but exposed to one in the
+  accounting's sense (it held a page an injection involved while its own KV stayed intact: its
+  output would have matched);
+- ``escaped``: a token that reached the client differs from the reference (victim or not) at a
+  position the model chose decisively. For a plain request, its completed output; for a
+  streamed one, every token it was sent, **even if kvguard aborted it afterwards** (a streamed
+  escape: the client already had the wrong token) or its client dropped it. Also a completed
+  victim of a leak class (``cross_tenant``: it was served from another tenant's KV, whatever
+  its tokens);
 - ``near_tie``: completed, output differs first at a step where both runs had their two best
   tokens within ``tie_margin`` nats of each other, with a candidate in common. Greedy decoding
   is not bit-stable across batch compositions and prefix-cache states (chunk boundaries change
   the KV's rounding), so a clean run flips such ties too: reported, not counted as an escape.
-  The campaign measures this noise floor by comparing the clean passes of configurations;
+  The campaign measures this noise floor by comparing the clean passes of configurations. A
+  stream that first differs at a near tie is not an escape either (its later tokens follow a
+  different context): it is judged by how it ended;
 - ``false_abort``: aborted by kvguard but no injection touched its KV or its pages (the record
   says whether the guard saw changed KV bytes, i.e. corruption the plugin did not follow, or
   only distrusted a page whose bytes still verified);
-- ``error``: no answer or another failure (server death, timeout);
+- ``error``: no answer or another failure (server death, timeout, a stream cut or ended by an
+  error that is not kvguard's);
 - ``no_reference``: the reference run has no output to compare with.
 
-Injection outcomes: ``detected`` (some victim aborted by kvguard), ``refused`` (the guard refused
-the bad prefix-cache hit itself, so no request read it: ``cross_tenant``), ``escaped`` (some
-victim served a wrong output, none aborted), ``near_tie`` (a victim's output differs only from a
-near-tie step on), ``masked`` (victims served the reference output: the corruption did not
-change a greedy token, or the guard repaired it), ``unscored`` (its only victims were dropped by
-their client or failed), ``no_victim`` (the KV it touched was never read by a request still
-running), ``not_landed`` (a stale write that never found a reader), ``skipped`` (no fitting
-moment within max_tries steps), ``not_run`` (still queued when the configuration ended),
-``injector_error``. Each injection also counts its aborts: victims aborted, and collateral
-(requests only exposed to it, a victim of no injection, aborted).
+Injection outcomes: ``escaped`` (some victim's wrong token reached its client: a completed wrong
+output, or a streamed token before the abort), ``detected`` (some victim aborted by kvguard, and
+no victim's wrong token reached a client), ``refused`` (the guard refused the bad prefix-cache
+hit itself, so no request read it: ``cross_tenant``), ``near_tie`` (a victim's output differs
+only from a near-tie step on), ``exposed`` (its victims completed with the reference output: the
+corruption changed no greedy token, or the guard repaired it before they read it; called
+``masked`` before streaming was scored), ``unscored`` (its only victims were dropped by their
+client or failed), ``no_victim`` (the KV it touched was never read by a request still running),
+``not_landed`` (a stale write that never found a reader; an in-forward flip whose layer never
+ran), ``skipped`` (no fitting moment within max_tries steps), ``not_run`` (still queued when the
+configuration ended), ``injector_error``. Each injection also counts its aborts: victims
+aborted, and collateral (requests only exposed to it, a victim of no injection, aborted).
 """
 
 from __future__ import annotations
@@ -46,6 +65,7 @@ from kvguard.fuzz.client import Response
 TIE_MARGIN = 0.1  # nats between the two best tokens: below this a flip may be rounding noise
 REQUEST_OUTCOMES = (
     "clean",
+    "exposed",
     "detected",
     "collateral",
     "escaped",
@@ -60,7 +80,7 @@ INJECTION_OUTCOMES = (
     "refused",
     "escaped",
     "near_tie",
-    "masked",
+    "exposed",
     "unscored",
     "no_victim",
     "not_landed",
@@ -68,6 +88,7 @@ INJECTION_OUTCOMES = (
     "not_run",
     "injector_error",
 )
+UNGUARDED = ("off", "canary")  # guard modes whose escapes measure the oracle, not a guard
 LEAK_CLASSES = ("cross_tenant",)  # a victim that completes is a leak, whatever its tokens
 CANARY_LINE = re.compile(r"kv_canary violation: .*slot_idx=(\d+) position=(\d+)")
 
@@ -96,6 +117,7 @@ def injections_from_log(events: list[dict], planned: list[dict]) -> dict[int, di
             "victims": {},
             "exposed": {},
             "why": {},
+            "read_at": {},  # victim -> first output token it computed from wrong KV
             "detail": None,
             "pending": False,
             "bad_writes": [0, 0],  # writes into pages the writer does not own: landed, made
@@ -114,7 +136,11 @@ def injections_from_log(events: list[dict], planned: list[dict]) -> dict[int, di
         kind = ev.get("event")
         if kind == "skipped":
             rec["status"] = "skipped"
-        elif kind in ("injected", "victims", "landed"):
+        elif kind == "unfired":  # an in-forward flip whose layer never ran: nothing changed
+            rec["victims"], rec["exposed"], rec["why"] = {}, {}, {}
+            rec["pending"], rec["unfired"], rec["read_at"] = True, True, {}
+            rec["detail"] = {**(rec["detail"] or {}), **(ev.get("detail") or {})}
+        elif kind in ("injected", "victims", "landed", "fired") and not rec.get("unfired"):
             if kind == "injected":
                 rec["status"], rec["at_step"] = "injected", ev.get("at_step")
             rec["detail"] = ev.get("detail") if kind != "victims" else rec["detail"]
@@ -126,6 +152,8 @@ def injections_from_log(events: list[dict], planned: list[dict]) -> dict[int, di
                 rec["exposed"].setdefault(rid, ev.get("at_step"))
             for rid, why in (ev.get("why") or {}).items():
                 rec["why"].setdefault(rid, why)
+            for rid, at in (ev.get("read_at") or {}).items():
+                rec["read_at"].setdefault(rid, at)
     for rec in out.values():  # a request first exposed, later a victim, is a victim
         rec["exposed"] = {r: s for r, s in rec["exposed"].items() if r not in rec["victims"]}
     return out
@@ -143,24 +171,63 @@ def guard_violations(server_log_events: list[dict]) -> dict[str, dict]:
 Output = tuple  # (output token ids, per-token [logprob1, id1, logprob2, id2] or None)
 
 
+def _first_diff(ref_ids: list[int], ids: list[int], upto: int) -> int | None:
+    """The first position below ``upto`` where the two differ (or one of them ends), or None."""
+    for n in range(upto):
+        if n >= len(ids) or n >= len(ref_ids) or ids[n] != ref_ids[n]:
+            return n
+    return None
+
+
+def _tie(ref_top, top, i: int, tie_margin: float, where: dict) -> bool:
+    """Both runs undecided at position ``i``, between candidates they share (a two-way tie
+    shows the same pair; a three-way tie can show different pairs with a common token)."""
+    a = ref_top[i] if ref_top and i < len(ref_top) else None
+    b = top[i] if top and i < len(top) else None
+    if not (a and b):
+        return False
+    margins = (a[0] - a[2], b[0] - b[2])
+    where["margins"] = [round(m, 4) for m in margins]
+    return max(margins) < tie_margin and bool({a[1], a[3]} & {b[1], b[3]})
+
+
 def compare(ref: Output, got: Output, tie_margin: float = TIE_MARGIN) -> tuple[str, dict]:
     """``clean``, ``near_tie`` or ``escaped``, and where the outputs part."""
     (ref_ids, ref_top), (ids, top) = ref, got
     if ids == ref_ids:
         return "clean", {}
-    i = next(
-        (n for n, (a, b) in enumerate(zip(ids, ref_ids)) if a != b), min(len(ids), len(ref_ids))
-    )
+    i = _first_diff(ref_ids, ids, max(len(ids), len(ref_ids)))
+    assert i is not None
     where: dict = {"first_diff": i}
-    a = ref_top[i] if ref_top and i < len(ref_top) else None
-    b = top[i] if top and i < len(top) else None
-    if a and b and i < min(len(ids), len(ref_ids)):
-        margins = (a[0] - a[2], b[0] - b[2])
-        where["margins"] = [round(m, 4) for m in margins]
-        # both runs undecided at this step, between candidates they share (a two-way tie shows
-        # the same pair; a three-way tie can show different pairs with a common token)
-        if max(margins) < tie_margin and {a[1], a[3]} & {b[1], b[3]}:
-            return "near_tie", where
+    if i < min(len(ids), len(ref_ids)) and _tie(ref_top, top, i, tie_margin, where):
+        return "near_tie", where
+    return "escaped", where
+
+
+def compare_stream(
+    ref: Output,
+    got: Output,
+    ref_complete: bool = True,
+    rewrites: list | None = None,
+    tie_margin: float = TIE_MARGIN,
+) -> tuple[str, dict]:
+    """The tokens a stream sent its client (``got``: all of them, or those before an abort or
+    a drop), against the reference: ``clean`` (each one the reference's at its position),
+    ``near_tie`` (the first that differs is a near tie) or ``escaped``. Sent past the end of a
+    complete reference is a difference; past a partial one (a clean-pass stream its client
+    dropped) is not known. ``rewrites``: [position, token] the stream also sent."""
+    (ref_ids, ref_top), (ids, top) = ref, got
+    upto = len(ids) if ref_complete else min(len(ids), len(ref_ids))
+    i = _first_diff(ref_ids, ids, upto)
+    # a position restated with another token: the client was sent that token too
+    bad = sorted(p for p, t in rewrites or [] if p < len(ref_ids) and t != ref_ids[p])
+    if bad:
+        return "escaped", {"first_diff": min(bad) if i is None else min(i, bad[0]), "rewrite": 1}
+    if i is None:
+        return "clean", {}
+    where: dict = {"first_diff": i}
+    if i < min(len(ids), len(ref_ids)) and _tie(ref_top, top, i, tie_margin, where):
+        return "near_tie", where
     return "escaped", where
 
 
@@ -170,8 +237,11 @@ def classify(
     injections: dict[int, dict],
     violations: dict[str, dict],
     tie_margin: float = TIE_MARGIN,
+    partial: dict[str, Output] | None = None,
 ) -> tuple[list[dict], dict]:
-    """Per-request records and per-injection outcomes (the latter updated in ``injections``)."""
+    """Per-request records and per-injection outcomes (the latter updated in ``injections``).
+    ``reference``: the clean pass's complete outputs; ``partial``: what the clean pass's streams
+    that their client dropped were sent (the reference of the same drop in this pass)."""
     victim_of: dict[str, list[int]] = defaultdict(list)
     exposed_to: dict[str, list[int]] = defaultdict(list)
     for inj in injections.values():
@@ -186,13 +256,25 @@ def classify(
         guard_abort = r.violation is not None
         leaked = any(injections[i]["cls"] in LEAK_CLASSES for i in ids)
         where: dict = {}
-        if r.client_abort:
+        # a streamed request: was any token it was sent (before an abort, a drop, or all of
+        # them) not the reference's? Then the wrong token reached the client, whatever came next
+        stream, swhere = None, {}
+        sent = r.stream_ids if r.streamed else None
+        sref, complete = (ref, True) if ref is not None else ((partial or {}).get(r.key), False)
+        if sent and sref is not None:
+            stream, swhere = compare_stream(
+                sref, (sent, r.stream_top2), complete, r.stream_rewrites, tie_margin
+            )
+        stream_error = r.streamed and r.stream_end not in ("done", "dropped") and not guard_abort
+        if stream == "escaped":
+            outcome, where = "escaped", {**swhere, "streamed_escape": True}
+        elif r.client_abort:
             outcome = "client_abort"
         elif guard_abort:
             outcome = (
                 "detected" if ids else "collateral" if exposed_to.get(r.rid) else "false_abort"
             )
-        elif r.status != 200 or r.output_ids is None:
+        elif r.status != 200 or r.output_ids is None or stream_error:
             outcome = "error"
         elif leaked:
             outcome, where = "escaped", {"leak": True}  # another tenant's KV reached it
@@ -200,6 +282,8 @@ def classify(
             outcome = "no_reference"
         else:
             outcome, where = compare(ref, (r.output_ids, r.top2), tie_margin)
+            if outcome == "clean" and ids:
+                outcome = "exposed"  # read wrong KV bytes, served the reference tokens anyway
         rec = {
             "rid": r.rid,
             "key": r.key,
@@ -216,6 +300,20 @@ def classify(
             "completion_tokens": r.completion_tokens,
             "cached_tokens": r.cached_tokens,
         }
+        wrong_from = [injections[i].get("read_at", {}).get(r.rid) for i in ids]
+        wrong_from = [n for n in wrong_from if n is not None]
+        if wrong_from:  # tokens computed from wrong KV that reached the client anyway
+            sent_n = len(sent or []) if r.streamed else 0
+            if not r.streamed and not guard_abort and r.status == 200:
+                sent_n = len(r.output_ids or [])
+            rec["wrong_kv_from_token"] = min(wrong_from)
+            rec["tokens_from_wrong_kv"] = max(0, sent_n - min(wrong_from))
+        if r.streamed:
+            rec["streamed"] = True
+            rec["tokens_sent"] = len(sent or [])
+            rec["stream_end"] = r.stream_end
+            if stream == "near_tie":
+                rec["stream_near_tie"] = swhere.get("first_diff")
         if outcome in ("escaped", "near_tie"):
             rec.update(where)
         if outcome in ("error", "false_abort", "collateral") and r.error:
@@ -238,8 +336,8 @@ def classify(
             ]
             if lags:
                 rec["steps_to_abort"] = min(lags)
-        if guard_abort and outcome in ("detected", "collateral"):
-            rec["blamed_on"] = _blame(
+        if guard_abort and (outcome in ("detected", "collateral") or ids):
+            rec["blamed_on"] = _blame(  # (an escape the guard aborted late: its victim's)
                 r.rid,
                 ids or rec["exposed_to"],
                 injections,
@@ -280,14 +378,14 @@ def _judge_injection(inj: dict, by_rid: dict[str, dict]) -> None:
         inj["outcome"] = inj["status"]
         return
     seen = Counter(v["outcome"] for v in victims)
-    if any(v["guard_aborted"] for v in victims):  # a dropped request aborted first counts too
-        inj["outcome"] = "detected"
-    elif seen["escaped"]:
+    if seen["escaped"]:  # a wrong token reached a client, whether or not an abort followed
         inj["outcome"] = "escaped"
+    elif any(v["guard_aborted"] for v in victims):  # a dropped request aborted first counts too
+        inj["outcome"] = "detected"
     elif seen["near_tie"]:
         inj["outcome"] = "near_tie"
-    elif seen["clean"]:
-        inj["outcome"] = "masked"
+    elif seen["exposed"]:
+        inj["outcome"] = "exposed"
     elif victims:
         inj["outcome"] = "unscored"
     elif (inj.get("detail") or {}).get("refused"):

@@ -8,7 +8,9 @@ import statistics
 from collections import Counter
 from pathlib import Path
 
-from kvguard.fuzz.oracle import INJECTION_OUTCOMES, REQUEST_OUTCOMES
+from kvguard.fuzz.oracle import INJECTION_OUTCOMES, REQUEST_OUTCOMES, UNGUARDED
+
+SCORED = ("escaped", "near_tie", "exposed", "detected")  # injections whose victims were scored
 
 
 def summarize(cfg: dict) -> dict:
@@ -62,6 +64,26 @@ def summarize(cfg: dict) -> dict:
         "escapes_unattributed": sum(
             1 for r in reqs if r["outcome"] == "escaped" and not r["victim_of"]
         ),
+        # streamed requests: a wrong token sent before the end (or the abort) is an escape
+        "streamed_requests": sum(1 for r in reqs if r.get("streamed")),
+        "streamed_tokens": sum(r.get("tokens_sent", 0) for r in reqs if r.get("streamed")),
+        "streamed_escapes": sum(1 for r in reqs if r.get("streamed_escape")),
+        # of them, aborted by the guard after the wrong token went out (the old oracle's
+        # "detected"), and dropped by their own client
+        "streamed_escapes_aborted": sum(
+            1 for r in reqs if r.get("streamed_escape") and r["guard_aborted"]
+        ),
+        "streamed_escapes_dropped": sum(
+            1 for r in reqs if r.get("streamed_escape") and r.get("stream_end") == "dropped"
+        ),
+        # tokens that reached a client although computed from wrong KV (same or not)
+        "tokens_from_wrong_kv": sum(r.get("tokens_from_wrong_kv", 0) for r in reqs),
+        "requests_sent_tokens_from_wrong_kv": sum(
+            1 for r in reqs if r.get("tokens_from_wrong_kv", 0) > 0
+        ),
+        "victims_scored": sum(
+            1 for r in reqs if r["victim_of"] and r["outcome"] in ("clean", *SCORED)
+        ),
         "injections": {k: sum(c.get(k, 0) for c in by_class.values()) for k in INJECTION_OUTCOMES},
         "by_class": {k: dict(v) for k, v in sorted(by_class.items())},
         # aborts each class cost: its victims aborted, and requests only exposed to it aborted
@@ -78,6 +100,7 @@ def summarize(cfg: dict) -> dict:
         "idle_used_tokens_max": max((u for u in idle_used if u is not None), default=None),
         "idle_used_tokens_end": end_used,
         "memory_leak_warnings": cfg.get("memory_leak_warnings", 0),
+        "read_sets": cfg.get("read_sets"),
     }
 
 
@@ -90,7 +113,16 @@ def verdict(cfg: dict) -> list[str]:
     if cfg.get("stopped_early"):
         bad.append(f"stopped {cfg['stopped_early']}")
     if s["requests"]["escaped"]:
-        bad.append(f"{s['requests']['escaped']} escaped")
+        streamed = s.get("streamed_escapes", 0)
+        bad.append(
+            f"{s['requests']['escaped']} escaped"
+            + (
+                f" ({streamed} streamed, {s.get('streamed_escapes_aborted', 0)} of them aborted "
+                "after the wrong token went out)"
+                if streamed
+                else ""
+            )
+        )
     if s["requests"]["false_abort"] or s["clean_pass_guard_aborts"]:
         bad.append(f"{s['requests']['false_abort'] + s['clean_pass_guard_aborts']} false aborts")
     if s["requests"]["collateral"]:
@@ -111,6 +143,7 @@ def write_all(report: dict, out: Path) -> None:
         cfg["summary"] = summarize(cfg)
         cfg["verdict"] = verdict(cfg)
     report["totals"] = _totals(report["configs"])
+    report["sensitivity"] = sensitivity(report["configs"])
     (out / "report.json").write_text(json.dumps(report, indent=1, default=str))
     (out / "report.md").write_text(markdown(report))
     draw_png(report, out / "report.png")
@@ -125,10 +158,52 @@ def _totals(configs: list[dict]) -> dict:
         t["injections_run"] += sum(
             v for k, v in s["injections"].items() if k not in ("skipped", "not_run")
         )
-        for k in ("escaped", "false_abort", "collateral", "detected", "error"):
-            t[k] += s["requests"][k]
+        for k in ("escaped", "exposed", "false_abort", "collateral", "detected", "error"):
+            t[k] += s["requests"].get(k, 0)
+        t["streamed_escapes"] += s.get("streamed_escapes", 0)
         t["server_deaths"] += s["server_deaths"]
     return dict(t)
+
+
+def sensitivity(configs: list[dict]) -> dict:
+    """Per configuration, how often an injection's harm reached a client: of the injections
+    whose victims were scored (escaped, near tie, exposed or detected), the share that escaped;
+    and of the victims scored, the share that escaped. With the guard off (mode ``off``) that
+    is the campaign's sensitivity: what the oracle sees when nothing stops the harm. An off arm
+    with no escape measures nothing (``measuring`` false)."""
+    out: dict = {"configs": {}}
+    for c in configs:
+        s = c["summary"]
+        inj = s["injections"]
+        scored = sum(inj.get(k, 0) for k in SCORED)
+        victims = s.get("victims_scored", 0)
+        escaped_victims = s.get("escapes_from_victims", 0)
+        row = {
+            "mode": c["mode"],
+            "page_size": c["page_size"],
+            "injections_scored": scored,
+            "injections_escaped": inj.get("escaped", 0),
+            "injections_exposed": inj.get("exposed", 0),
+            "injection_escape_rate": round(inj.get("escaped", 0) / scored, 4) if scored else None,
+            "victims_scored": victims,
+            "victims_escaped": escaped_victims,
+            "victim_escape_rate": round(escaped_victims / victims, 4) if victims else None,
+            "streamed_escapes": s.get("streamed_escapes", 0),
+        }
+        out["configs"][f"{c['mode']}-ps{c['page_size']}"] = row
+    off = [r for r in out["configs"].values() if r["mode"] == "off"]
+    if off:
+        scored = sum(r["injections_scored"] for r in off)
+        escaped = sum(r["injections_escaped"] for r in off)
+        out["off_arm"] = {
+            "injections_scored": scored,
+            "injections_escaped": escaped,
+            "escape_rate": round(escaped / scored, 4) if scored else None,
+            "victims_scored": sum(r["victims_scored"] for r in off),
+            "victims_escaped": sum(r["victims_escaped"] for r in off),
+            "measuring": escaped > 0,
+        }
+    return out
 
 
 # -- markdown -------------------------------------------------------------------------------------
@@ -150,21 +225,30 @@ def markdown(report: dict) -> str:
         "",
         "## Verdict per configuration",
         "",
-        "| configuration | scored requests | clean | detected | collateral | escaped | near-tie "
-        "divergences (victims) | false aborts (KV changed) | errors | server deaths | idle KV held "
-        "(end) | verdict |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| configuration | scored requests | clean | exposed | detected | collateral | escaped "
+        "(streamed, of them aborted after) | tokens sent from wrong KV (requests) | near-tie "
+        "divergences (victims) | false aborts (KV changed) | errors | server deaths | idle KV "
+        "held (end) | verdict |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for c in report["configs"]:
         r = c["summary"]["requests"]
         scored = sum(v for k, v in r.items() if k != "client_abort")
         fa = r["false_abort"] + c["summary"]["clean_pass_guard_aborts"]
         ok = "ok" if not c["verdict"] else "; ".join(c["verdict"])
-        if c["mode"] in ("off", "canary") and c["verdict"]:
+        if c["mode"] in UNGUARDED and c["verdict"]:
             ok = "unguarded: " + ok
+        sm = c["summary"]
+        mode = c["mode"]
+        if mode == "default" and (c.get("guard_status") or {}).get("mode"):
+            mode = f"default ({c['guard_status']['mode']})"
         lines.append(
-            f"| {c['mode']} ps{c['page_size']} | {scored} | {r['clean']} | {r['detected']} | "
-            f"{r['collateral']} | {r['escaped']} | {r['near_tie']} ({c['summary']['near_ties_of_victims']}) | {fa} "
+            f"| {mode} ps{c['page_size']} | {scored} | {r['clean']} | {r.get('exposed', 0)} | "
+            f"{r['detected']} | {r['collateral']} | {r['escaped']} "
+            f"({sm.get('streamed_escapes', 0)}, {sm.get('streamed_escapes_aborted', 0)}) | "
+            f"{sm.get('tokens_from_wrong_kv', 0)} "
+            f"({sm.get('requests_sent_tokens_from_wrong_kv', 0)}) | "
+            f"{r['near_tie']} ({c['summary']['near_ties_of_victims']}) | {fa} "
             f"({c['summary']['false_aborts_with_changed_kv']}) | "
             f"{r['error']} | {c['summary']['server_deaths']} | "
             f"{c['summary']['idle_used_tokens_end']} | {ok} |"
@@ -172,9 +256,14 @@ def markdown(report: dict) -> str:
     lines += [
         "",
         "Requests the client dropped itself are not scored. An escape is a completed request "
-        "whose tokens differ from the clean run's at a step the model decided clearly; with the "
-        "guard off a corrupted request can still match by luck (counted clean), so the oracle "
-        "compares outputs only. A near-tie divergence first differs at a step where both runs had "
+        "whose tokens differ from the clean run's at a step the model decided clearly, or a "
+        "streamed request that was sent such a token, even if the guard aborted it afterwards "
+        "(a streamed escape: the client had the wrong token already). A victim (a request that "
+        "read, or would have read, wrong KV bytes) that completed with the clean run's tokens is "
+        "*exposed*: the wrong bytes changed no greedy token this time. Tokens sent from wrong "
+        "KV: tokens that reached a client (streamed, or in a completed output) although the "
+        "forward that computed them read wrong KV bytes, the same tokens or not. A near-tie "
+        "divergence first differs at a step where both runs had "
         f"their two best tokens within {report['settings'].get('tie_margin')} nats (a candidate in "
         "common): clean runs "
         "flip those too (next table), so they are listed, not counted as escapes. A false abort "
@@ -190,6 +279,8 @@ def markdown(report: dict) -> str:
         "whatever its tokens.",
         "",
     ]
+    lines += _sensitivity_lines(report)
+    lines += _read_set_lines(report)
     lines += _noise_table(report)
     lines += _aborts_table(report)
     lines += _tenant_lines(report)
@@ -226,13 +317,15 @@ def markdown(report: dict) -> str:
     lines += [
         "## Outcome definitions",
         "",
-        "Injection outcomes: **detected** (a victim was aborted by kvguard), **refused** (the "
-        "guard refused the bad prefix-cache hit, so nothing read it), **escaped** (a victim "
-        "served a wrong output and none was aborted), **masked** (victims served the reference "
-        "output), **near_tie** (a victim's output differs only from a near-tie step on), "
+        "Injection outcomes: **escaped** (a victim's wrong token reached its client: a wrong "
+        "output, or a streamed token sent before an abort), **detected** (a victim was aborted "
+        "by kvguard and none escaped), **refused** (the "
+        "guard refused the bad prefix-cache hit, so nothing read it), **exposed** (victims "
+        "served the reference output; `masked` in reports before streaming), **near_tie** (a victim's output differs only from a near-tie step on), "
         "**unscored** (its only victims were dropped by their client or failed), "
         "**no_victim** (the touched KV was never read by a running request), **not_landed** (a "
-        "stale write that never found a reader), **skipped** "
+        "stale write that never found a reader, or an in-forward flip whose layer never ran), "
+        "**skipped** "
         "(no fitting moment within max_tries scheduler steps), **not_run** (still queued at the "
         "end). Steps to abort: forward passes from the one the corruption was injected before to "
         "the one kvguard flagged it. For `canary` (SGLang's kv-canary in log mode: it never "
@@ -241,6 +334,75 @@ def markdown(report: dict) -> str:
         "",
     ]
     return "\n".join(lines)
+
+
+def _sensitivity_lines(report: dict) -> list[str]:
+    sens = report.get("sensitivity") or {}
+    rows = list((sens.get("configs") or {}).values())
+    if not rows:
+        return []
+    out = [
+        "## Sensitivity: how often harm reached a client",
+        "",
+        "Of the injections whose victims were scored (escaped, near tie, exposed or detected), "
+        "those that escaped (a victim's wrong token reached its client); of the victims scored, "
+        "those that escaped. With the guard off (`off`) nothing stops the harm: that escape rate "
+        "is the campaign's sensitivity, what the oracle can see at all.",
+        "",
+        "| configuration | injections scored | escaped | exposed | escape rate | victims scored | "
+        "victims escaped | victim escape rate | streamed escapes |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+
+    def pct(x):
+        return "" if x is None else f"{100 * x:.1f}%"
+
+    for r in rows:
+        out.append(
+            f"| {r['mode']} ps{r['page_size']} | {r['injections_scored']} | "
+            f"{r['injections_escaped']} | {r['injections_exposed']} | "
+            f"{pct(r['injection_escape_rate'])} | {r['victims_scored']} | {r['victims_escaped']} | "
+            f"{pct(r['victim_escape_rate'])} | {r['streamed_escapes']} |"
+        )
+    off = sens.get("off_arm")
+    if off:
+        out += [
+            "",
+            f"**Sensitivity (guard-off arm): {off['injections_escaped']} of "
+            f"{off['injections_scored']} scored injections escaped "
+            f"({pct(off['escape_rate'])}); {off['victims_escaped']} of {off['victims_scored']} "
+            "victims.**"
+            + (
+                ""
+                if off["measuring"]
+                else " Nothing escaped with the guard off: this campaign measured nothing."
+            ),
+        ]
+    else:
+        out += ["", "No guard-off arm ran (`--off-arm`): the campaign's sensitivity is unknown."]
+    return out + [""]
+
+
+def _read_set_lines(report: dict) -> list[str]:
+    rows = [c for c in report["configs"] if c["summary"].get("read_sets")]
+    if not rows:
+        return []
+    out = [
+        "## Read sets",
+        "",
+        "KV tokens each step's batch read (its sequence lengths), counted by the plugin: the "
+        "`sampled` mode re-hashes 512 of them per step by default.",
+        "",
+        "| configuration | steps | mean | max | steps above 512 | steps above 2048 |",
+        "| --- | --- | --- | --- | --- | --- |",
+    ]
+    for c in rows:
+        r = c["summary"]["read_sets"]
+        out.append(
+            f"| {c['mode']} ps{c['page_size']} | {r['steps']} | {r['mean']} | {r['max']} | "
+            f"{r['over_512']} | {r['over_2048']} |"
+        )
+    return out + [""]
 
 
 def _noise_table(report: dict) -> list[str]:
@@ -381,7 +543,7 @@ def _problems(report: dict) -> list[str]:
     """Reproduction details for anything a guarded mode got wrong."""
     out = []
     for c in report["configs"]:
-        if c["mode"] in ("off", "canary"):
+        if c["mode"] in UNGUARDED:
             continue
         bad = [
             r
@@ -400,6 +562,11 @@ def _problems(report: dict) -> list[str]:
                 + (f"; exposed to {r['exposed_to']}" if r.get("exposed_to") else "")
                 + ("; served another tenant's KV" if r.get("leak") else "")
                 + (f"; first differing token {r['first_diff']}" if "first_diff" in r else "")
+                + (
+                    f" of {r.get('tokens_sent')} streamed ({r.get('stream_end')})"
+                    if r.get("streamed_escape")
+                    else ""
+                )
                 + (f", top-2 margins (clean, this run) {r['margins']}" if "margins" in r else "")
                 + (f"; guard {r['violation']} {r.get('guard_kinds')}" if r.get("violation") else "")
                 + (f"; {r['error'][:160]}" if r.get("error") and not r.get("violation") else "")
@@ -423,7 +590,7 @@ COLORS = {
     "refused": (120, 190, 120),
     "escaped": (218, 54, 51),
     "near_tie": (240, 160, 60),
-    "masked": (160, 160, 160),
+    "exposed": (160, 160, 160),
     "unscored": (190, 200, 230),
     "no_victim": (210, 210, 210),
     "not_landed": (225, 215, 225),
@@ -480,7 +647,8 @@ def draw_png(report: dict, path: Path) -> None:
                     d.rectangle([x, y + 2, x + w - 1, y + row_h - 3], fill=color)
                     x += w
             run = sum(
-                counts.get(k, 0) for k in ("detected", "escaped", "masked", "unscored", "no_victim")
+                counts.get(k, 0)
+                for k in ("detected", "escaped", "exposed", "unscored", "no_victim")
             )
             d.text(
                 (x0 + label_w + bar_w + 6, y + 2),

@@ -141,7 +141,7 @@ def test_oracle_outcomes():
         ref, responses, injections, {"i-b": {"step": 14, "request": "i-b"}}
     )
     assert [r["outcome"] for r in records] == [
-        "clean",
+        "exposed",  # a victim that completed with the reference tokens
         "detected",
         "escaped",
         "false_abort",
@@ -153,7 +153,7 @@ def test_oracle_outcomes():
     assert records[1]["steps_to_abort"] == 2
     assert records[5]["exposed_to"] == [2] and records[7]["leak"]
     assert [injections[i]["outcome"] for i in range(1, 9)] == [
-        "masked",
+        "exposed",
         "detected",
         "escaped",
         "skipped",
@@ -233,7 +233,11 @@ def _no_harm(cfg: dict, where: str) -> None:
 def test_short_campaign_paranoid(tmp_path):
     """Every class, one injection each (cross_tenant too: tenants in the workload, isolation on)."""
     cfg, where = _campaign(
-        tmp_path, seed=11, classes=tuple(INJECTORS), num_injections=11, tenant_isolation=True
+        tmp_path,
+        seed=11,
+        classes=tuple(INJECTORS),
+        num_injections=len(INJECTORS),
+        tenant_isolation=True,
     )
     _no_harm(cfg, where)
     assert cfg["summary"]["injections"]["detected"] >= 3, (cfg["summary"]["injections"], where)
