@@ -14,7 +14,9 @@ from kvguard.bench.synthetic_pool import SyntheticPool
 from kvguard.ledger import IntegrityError, PageState
 from kvguard.verdict import Kind
 
-MODES = ("tags", "sampled", "paranoid")
+# verified: the synthetic pool has no attention read to hash, so the mode runs its fallback (every
+# read checked before the forward); its read path is tested in tests/test_read_verify.py
+MODES = ("tags", "sampled", "verified", "paranoid")
 PAGE_SIZES = (1, 16, 64)
 
 
@@ -35,7 +37,7 @@ NOT_PROMISED = {
 
 def _forwards_to_abort(scenario: str, mode: str, pool: SyntheticPool, change: BytesChanged) -> int:
     """The forwards after a bytes change within which its mode promises to abort the victims."""
-    if mode == "paranoid" or scenario == "read_before_ready":
+    if mode in ("paranoid", "verified") or scenario == "read_before_ready":
         return 1  # every read is checksummed before the forward; adopted pages before their use
     # sampled: the rolling window re-hashes sweep_tokens_per_step tokens of the batch's read set
     # per step, so it covers the readers' pages within this many steps
