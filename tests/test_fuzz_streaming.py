@@ -8,11 +8,12 @@ guard-off arm; the workload's streaming and long-prompt options; the exponent fl
 real pools; and the in-forward flip's wrapper on a stand-in attention backend (fires at its
 layer before the layer reads, composes with a wrapper already installed, restores the class).
 
-Campaign test (``-m campaign``, ~4 min on two loaded cores): a streaming campaign with bit flips
-before and inside the forward, in kvguard-serve's default mode at page sizes 16 and 1, fails on
-any streamed token that differs from the clean run (and on any token computed from wrong KV
-that reached a client); the same workload in mode ``tags`` (no checksum at all) must show harm,
-so that the test can fail."""
+Campaign tests (``-m campaign``, ~2 and ~1 min on two cores): a streaming campaign with bit
+flips before and inside the forward, in kvguard-serve's default mode at page sizes 16 and 1,
+fails on any streamed token that differs from the clean run (and on any token computed from
+wrong KV that reached a client, or a victim that completed unnoticed); the same workload in mode
+``tags`` (no checksum at all) must show harm, so that the test can fail. The second runs the
+default mode with read sets past the sampled budget (a 65,536-token pool, long prompts)."""
 
 from __future__ import annotations
 
@@ -386,50 +387,82 @@ def test_in_forward_flip_that_never_fires_restores_the_class():
 FLIPS = ("exponent_flip", "in_forward_flip", "bit_flip")
 
 
-@pytest.mark.campaign
-def test_streaming_campaign_no_streamed_escape(tmp_path):
-    """Streamed requests, bit flips before and inside the forward, kvguard-serve's default mode
-    at page sizes 16 and 1: no token a client is sent may differ from the clean run's (even
-    one the guard aborts afterwards), none may have been computed from wrong KV; and in mode
-    tags (tags only, no checksum) the same flips must harm, or the campaign measured nothing."""
-    from test_fuzz_campaign import _no_harm
+def _streaming_campaign(tmp_path, **kw) -> tuple[dict, str]:
     from tiny_model import serving_model
 
     from kvguard.fuzz.campaign import Settings
     from kvguard.fuzz.cli import run_campaign
 
     model, _ = serving_model()
-    s = Settings(
-        seed=31,
-        classes=FLIPS,
-        num_requests=48,
-        num_injections=9,
-        modes=("default", "tags"),
-        page_sizes=(16, 1),
-        configs=(("default", 16), ("default", 1), ("tags", 16)),
-        out=tmp_path,
-        model_path=str(model),
-        wave_size=12,
-        max_tries=40,
-        stream_fraction=1.0,
-    )
-    run_campaign(s, progress=False)
+    settings = {
+        "classes": FLIPS,
+        "num_requests": 48,
+        "num_injections": 9,
+        "out": tmp_path,
+        "model_path": str(model),
+        "wave_size": 12,
+        "max_tries": 40,
+        "stream_fraction": 1.0,
+        **kw,
+    }
+    settings.setdefault("modes", tuple(dict.fromkeys(m for m, _ in settings["configs"])))
+    settings.setdefault("page_sizes", tuple(dict.fromkeys(p for _, p in settings["configs"])))
+    run_campaign(Settings(**settings), progress=False)
     report = json.loads((tmp_path / "report.json").read_text())
-    where = f"see {tmp_path / 'report.md'}"
     configs = {f"{c['mode']}-ps{c['page_size']}": c for c in report["configs"]}
+    return configs, f"see {tmp_path / 'report.md'}"
+
+
+def _no_streamed_harm(cfg: dict, where: str) -> None:
+    """No token a client was sent differs from the clean run's, none was computed from wrong
+    KV, no victim went unnoticed; and everything ``_no_harm`` asks of a guarded configuration."""
+    from test_fuzz_campaign import _no_harm
+
+    summary = cfg["summary"]
+    streamed = [r for r in cfg["requests"] if r.get("streamed_escape")]
+    assert summary["streamed_escapes"] == 0, (streamed[:5], where)
+    wrong = [r for r in cfg["requests"] if r.get("tokens_from_wrong_kv")]
+    assert summary["tokens_from_wrong_kv"] == 0, (wrong[:5], where)
+    exposed = [r for r in cfg["requests"] if r["outcome"] == "exposed"]
+    assert summary["requests"]["exposed"] == 0, (exposed[:5], where)
+    _no_harm(cfg, where)
+    assert summary["streamed_requests"] > 30, where
+    flips = summary["by_class"].get("in_forward_flip", {})
+    assert flips.get("detected", 0) >= 1, (summary["by_class"], where)
+
+
+@pytest.mark.campaign
+def test_streaming_campaign_no_streamed_escape(tmp_path):
+    """Streamed requests, bit flips before and inside the forward, kvguard-serve's default mode
+    at page sizes 16 and 1: no token a client is sent may differ from the clean run's (even
+    one the guard aborts afterwards), none may have been computed from wrong KV; and in mode
+    tags (tags only, no checksum) the same flips must harm, or the campaign measured nothing."""
+    configs, where = _streaming_campaign(
+        tmp_path, seed=31, configs=(("default", 16), ("default", 1), ("tags", 16))
+    )
     for name in ("default-ps16", "default-ps1"):
-        cfg = configs[name]
-        summary = cfg["summary"]
-        streamed = [r for r in cfg["requests"] if r.get("streamed_escape")]
-        assert summary["streamed_escapes"] == 0, (name, streamed[:5], where)
-        wrong = [r for r in cfg["requests"] if r.get("tokens_from_wrong_kv")]
-        assert summary["tokens_from_wrong_kv"] == 0, (name, wrong[:5], where)
-        assert summary["requests"]["exposed"] == 0, (name, summary["by_class"], where)
-        _no_harm(cfg, f"{name}: {where}")
-        assert summary["streamed_requests"] > 30, (name, where)
-        flips = summary["by_class"].get("in_forward_flip", {})
-        assert flips.get("detected", 0) >= 1, (name, summary["by_class"], where)
+        _no_streamed_harm(configs[name], f"{name}: {where}")
     tags = configs["tags-ps16"]["summary"]
     assert tags["tokens_from_wrong_kv"] > 0 and (
         tags["requests"]["escaped"] + tags["requests"]["exposed"] > 0
     ), (tags["by_class"], where)
+
+
+@pytest.mark.campaign
+def test_streaming_campaign_large_reads(tmp_path):
+    """The same with read sets past the sampled budget: a 65,536-token pool and a quarter of
+    the prompts 1,500-3,000 tokens long (context 4,096), default mode, page size 16."""
+    configs, where = _streaming_campaign(
+        tmp_path,
+        seed=32,
+        configs=(("default", 16),),
+        max_total_tokens=65536,
+        chunked_prefill_size=512,
+        long_fraction=0.25,
+        long_tokens=(1500, 3000),
+        context_length=4096,
+    )
+    cfg = configs["default-ps16"]
+    _no_streamed_harm(cfg, where)
+    reads = cfg["summary"]["read_sets"]
+    assert reads["max"] > 2048 and reads["over_512"] > reads["steps"] // 4, (reads, where)
