@@ -540,7 +540,8 @@ def _matrix(c: dict) -> list[str]:
 
 
 def _problems(report: dict) -> list[str]:
-    """Reproduction details for anything a guarded mode got wrong."""
+    """Reproduction details for anything a guarded mode got wrong (a victim that completed
+    unnoticed, or was sent tokens computed from wrong KV, included)."""
     out = []
     for c in report["configs"]:
         if c["mode"] in UNGUARDED:
@@ -548,7 +549,8 @@ def _problems(report: dict) -> list[str]:
         bad = [
             r
             for r in c.get("requests", [])
-            if r["outcome"] in ("escaped", "false_abort", "collateral", "error")
+            if r["outcome"] in ("escaped", "false_abort", "collateral", "error", "exposed")
+            or r.get("tokens_from_wrong_kv")
         ]
         if not bad and not c.get("deaths") and not c.get("error"):
             continue
@@ -568,6 +570,12 @@ def _problems(report: dict) -> list[str]:
                     else ""
                 )
                 + (f", top-2 margins (clean, this run) {r['margins']}" if "margins" in r else "")
+                + (
+                    f"; sent {r['tokens_from_wrong_kv']} tokens computed from wrong KV (from "
+                    f"token {r.get('wrong_kv_from_token')})"
+                    if r.get("tokens_from_wrong_kv")
+                    else ""
+                )
                 + (f"; guard {r['violation']} {r.get('guard_kinds')}" if r.get("violation") else "")
                 + (f"; {r['error'][:160]}" if r.get("error") and not r.get("violation") else "")
             )
