@@ -441,6 +441,13 @@ def main(argv: list[str] | None = None) -> int:
     command = "kvguard-fuzz " + shlex.join(sys.argv[1:] if argv is None else argv)
     report = run_campaign(s, progress=not args.no_progress, command=command)
     print((s.out / "report.md").resolve())
+    off = (report.get("sensitivity") or {}).get("off_arm")
+    if off and not off["measuring"]:
+        print(
+            "kvguard-fuzz: warning: nothing escaped with the guard off "
+            f"({off['injections_scored']} injections scored): this campaign measured nothing",
+            file=sys.stderr,
+        )
     return 1 if _failed(report) else 0
 
 

@@ -264,7 +264,8 @@ def in_forward_flip(sched, batch, rng, step):
     elsewhere the largest element is flipped (``kvbytes.flip_exponent``). The attention backend's
     ``forward_decode``/``forward_extend`` are wrapped as they are found now (kvguard's own
     wrappers included) for this step only, and restored after the forward. An injection whose
-    layer never ran (``detail["fired"]`` false after the forward) is reported ``unfired``."""
+    layer never ran (``detail["fired"]`` false after the forward) is reported ``unfired``: so is
+    one in a forward replayed from a CUDA graph, which calls no Python attention method."""
     found = _resting_slot(sched, batch, rng)
     if found is None:
         return None

@@ -202,6 +202,22 @@ def test_sensitivity_of_the_off_arm():
     assert "off_arm" not in sensitivity([cfg("default", 0, 0, 0)])
 
 
+def test_cli_settings_for_a_streaming_campaign():
+    from kvguard.fuzz.cli import clamp_long_tokens, parser, settings_from
+
+    argv = "--guard-mode default --page-size 16,1 --off-arm --stream --large-reads"
+    s = settings_from(parser().parse_args(argv.split()))
+    assert s.configs == (("default", 16), ("default", 1), ("off", 16), ("off", 1))
+    assert s.stream_fraction == 1.0 and s.long_fraction == 0.25
+    assert (s.max_total_tokens, s.chunked_prefill_size, s.long_tokens) == (65536, 512, (1500, 3000))
+    plain = settings_from(parser().parse_args(["--stream", "0.5", "--max-total-tokens", "4096"]))
+    assert plain.stream_fraction == 0.5 and plain.long_fraction == 0.0
+    assert (plain.max_total_tokens, plain.chunked_prefill_size) == (4096, 64)
+    assert clamp_long_tokens((1500, 3000), 2048) == (1500, 1984)  # room for 32 output tokens
+    assert clamp_long_tokens((1500, 3000), 1024) == (960, 960)
+    assert clamp_long_tokens((1500, 3000), None) == (1500, 3000)
+
+
 # -- the workload ------------------------------------------------------------------------------------
 def test_workload_streams_and_long_prompts():
     def count(text):
