@@ -260,10 +260,39 @@ def _mha(dtype, layers=3):
     return pool
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float8_e4m3fn])
-def test_flip_exponent_one_bit_worst_element(dtype):
-    pool = _mha(dtype)
-    buf = pool.k_buffer[1]
+def _mla(dtype):
+    from sglang.srt.mem_cache.memory_pool import MLATokenToKVPool
+
+    pool = MLATokenToKVPool(
+        size=64,
+        page_size=16,
+        dtype=dtype,
+        kv_lora_rank=8,
+        qk_rope_head_dim=8,
+        layer_num=3,
+        device="cpu",
+        enable_memory_saver=False,
+    )
+    gen = torch.Generator().manual_seed(0)
+    for b in kvbytes.kv_buffers(pool):
+        b.copy_((torch.randn(b.shape, generator=gen) * 0.5).to(b.dtype))
+    return pool
+
+
+@pytest.mark.parametrize(
+    "make, name",
+    [
+        (lambda: _mha(torch.bfloat16), "k"),
+        (lambda: _mha(torch.float8_e4m3fn), "k"),
+        (lambda: _mha(torch.float8_e4m3fn), "v"),
+        (lambda: _mla(torch.bfloat16), "kv"),
+    ],
+    ids=["mha-bf16-k", "mha-fp8-k", "mha-fp8-v", "mla-bf16"],
+)
+def test_flip_exponent_one_bit_worst_element(make, name):
+    pool = make()
+    buf = kvbytes.layer_buffers(pool, 1)[name]
+    assert kvbytes.num_layers(pool) == 3
     before = buf.clone()
     where = kvbytes.flip_exponent(buf, 5)
     diff = buf.view(torch.uint8) != before.view(torch.uint8)
@@ -274,7 +303,7 @@ def test_flip_exponent_one_bit_worst_element(dtype):
     assert abs(new) > 100 * abs(old) and torch.isfinite(torch.tensor(new))
     # aimed: the element whose change raises the reader's logit most
     buf.copy_(before)
-    gain = torch.randn(2, 8, generator=torch.Generator().manual_seed(1))
+    gain = torch.randn(before[5].shape, generator=torch.Generator().manual_seed(1))
     where = kvbytes.flip_exponent(buf, 5, gain)
     vals = before[5].to(torch.float32).reshape(-1)
     elem = where["element"]
