@@ -20,6 +20,9 @@ class Mode(str, Enum):
     PARANOID = "paranoid"  # verified + every KV token read is checksummed before each forward
 
 
+MIN_CAP_PAGES = 16  # the quarantine cap's floor, in pages
+
+
 class ConfigError(ValueError):
     """An invalid guard setting; raised at start-up, never mid-serving."""
 
@@ -57,8 +60,12 @@ class GuardConfig:
             )
 
     def quarantine_cap_pages(self, num_pages: int) -> int:
-        """The cap in pages for a pool of ``num_pages`` (at least one page)."""
-        return max(1, int(num_pages * self.quarantine_cap))
+        """The cap in pages for a pool of ``num_pages``: at least MIN_CAP_PAGES (an eighth of a
+        smaller pool, and one page), so that one incident on a small pool, a page or two found
+        bad and scrubbed as soon as their readers are released, does not take the server out
+        of its router."""
+        floor = min(MIN_CAP_PAGES, max(1, num_pages // 8))
+        return max(floor, int(num_pages * self.quarantine_cap))
 
     @property
     def enabled(self) -> bool:

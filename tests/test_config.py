@@ -153,3 +153,6 @@ def test_quarantine_cap_is_a_fraction_of_the_pool(raw):
 def test_quarantine_cap_in_pages():
     assert GuardConfig(quarantine_cap=0.01).quarantine_cap_pages(62_500) == 625
     assert GuardConfig(quarantine_cap=0.01).quarantine_cap_pages(10) == 1
+    # a small pool keeps a floor: one incident does not fail it closed
+    assert GuardConfig(quarantine_cap=0.01).quarantine_cap_pages(128) == 16
+    assert GuardConfig(quarantine_cap=0.5).quarantine_cap_pages(128) == 64
