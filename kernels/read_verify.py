@@ -8,6 +8,8 @@ path beyond allocating the gathered copy attention reads anyway.
 
 from __future__ import annotations
 
+from array import array
+
 import torch
 
 from . import _read_verify as C  # built by setup.sh / pip install (setuptools ext-modules)
@@ -70,6 +72,9 @@ def gather_rows(
     return out
 
 
+_MAX_BAD_PAGES = 64
+
+
 def verify_reads(
     acc: torch.Tensor,
     rows: torch.Tensor,
@@ -82,22 +87,37 @@ def verify_reads(
     epoch: torch.Tensor,
     agg: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``read_verify_ref.verify_reads``, compiled."""
+    """``read_verify_ref.verify_reads``, compiled. Called once per step on a cache-cold CPU: a
+    clean step allocates no tensor (host arrays in, a shared empty result out)."""
     B = len(seq_lens)
     if sum(seq_lens) > min(acc.numel(), rows.numel()) or req_rows.numel() != B:
         raise ValueError("verify_reads: rows and sums must cover every request's positions")
-    lens = torch.tensor(seq_lens, dtype=torch.int64)
-    req = req_rows.to(torch.int64).contiguous()
-    bad = torch.zeros(B, dtype=torch.uint8)
-    max_bad = 64
-    pages = torch.empty(max_bad, dtype=torch.int64)
-    for t, dtype in ((acc, torch.int64), (rows, torch.int64), (digest, torch.int64),
-                     (fill, torch.int16), (epoch, torch.int64), (agg, torch.int64)):  # fmt: skip
+    for t, dtype in ((acc, torch.int64), (rows, torch.int64), (req_rows, torch.int64),
+                     (digest, torch.int64), (fill, torch.int16), (epoch, torch.int64),
+                     (agg, torch.int64)):  # fmt: skip
         if t.dtype != dtype or not t.is_contiguous() or not t.is_cpu:
             raise ValueError("verify_reads: contiguous CPU tensors of the ledger's dtypes")
-    n = C.verify_reads(
-        acc.data_ptr(), rows.data_ptr(), lens.data_ptr(), req.data_ptr(), B, page_size, num_slots,
-        digest.data_ptr(), fill.data_ptr(), epoch.data_ptr(), agg.data_ptr(), bad.data_ptr(),
-        pages.data_ptr(), max_bad,
+    lens = array("q", seq_lens)
+    bad = array("B", bytes(max(B, 1)))
+    pages = array("q", bytes(8 * _MAX_BAD_PAGES))
+    r = C.verify_reads(
+        acc.data_ptr(), rows.data_ptr(), lens.buffer_info()[0], req_rows.data_ptr(), B,
+        page_size, num_slots, digest.data_ptr(), fill.data_ptr(), epoch.data_ptr(),
+        agg.data_ptr(), bad.buffer_info()[0], pages.buffer_info()[0], _MAX_BAD_PAGES,
     )  # fmt: skip
-    return bad.to(torch.bool), pages[:n].clone()
+    if r >> 32 == 0:
+        return _clean(B), _NO_PAGES
+    n = r & 0xFFFFFFFF
+    return torch.tensor(bad[:B], dtype=torch.bool), torch.tensor(pages[:n], dtype=torch.int64)
+
+
+_NO_PAGES = torch.empty(0, dtype=torch.int64)
+_CLEAN: dict[int, torch.Tensor] = {}
+
+
+def _clean(B: int) -> torch.Tensor:
+    """A shared all-False verdict of B requests (read only)."""
+    out = _CLEAN.get(B)
+    if out is None:
+        out = _CLEAN[B] = torch.zeros(B, dtype=torch.bool)
+    return out

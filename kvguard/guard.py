@@ -33,7 +33,7 @@ from kvguard.ledger import PageLedger, PageState
 from kvguard.metrics import GuardMetrics
 from kvguard.ratelimit import RateLimitedLog
 from kvguard.records import RowRecords
-from kvguard.step import StepView
+from kvguard.step import ReadSums, StepView
 from kvguard.verdict import Kind, StepVerdict, Violation, forensic_record, new_violation_id
 
 log = structlog.get_logger("kvguard")
@@ -218,51 +218,50 @@ class Guard:
         self._account(t0)
         return verdict
 
-    def after_forward(self, verdict: StepVerdict) -> None:
-        """Seal what the forward wrote (enqueued after its writes: no sync needed). A seal that
-        hashes nothing (tags, on a CPU) is only queued in the ledger: not timed here, it is
-        applied and timed by the next step's check."""
+    def after_forward(self, verdict: StepVerdict, read: ReadSums | None = None) -> None:
+        """Seal what the forward wrote (enqueued after its writes: no sync needed), then, when
+        reads are verified, judge what attention read (``read``) against the sealed digests, in
+        the same entry. A seal that hashes nothing (tags, on a CPU) is only queued in the
+        ledger: not timed here, it is applied and timed by the next step's check."""
         if not self.config.checksums and self.ledger.queues:
             self.ledger.seal(verdict.inputs, verdict.check, self.checker.kv_buffers, False)
             return
         t0 = clock()
-        self.ledger.seal(
-            verdict.inputs, verdict.check, self.checker.kv_buffers, self.config.checksums
-        )
-        self._account(t0)
-
-    def verify_reads(
-        self,
-        verdict: StepVerdict,
-        rows: torch.Tensor,
-        seq_lens: list[int],
-        req_rows: torch.Tensor,
-        acc: torch.Tensor,
-        buffers: set[int],
-    ) -> None:
-        """After the forward and its seal: judge what attention read (``rows``, request by
-        request, and the checksum sums ``acc`` it folded in over ``buffers``) against the sealed
-        page digests and the rows' page tags. The result waits in the verdict for ``resolve``,
-        which runs before the step's tokens are emitted. A read that did not cover every stored
-        byte of the pool cannot be vouched for: the step fails closed."""
-        t0 = clock()
         try:
-            B = len(verdict.view.prefix_lens_host)
-            if len(seq_lens) != B or len(buffers) != len(self.checker.kv_buffers):
-                raise RuntimeError(
-                    f"attention read {len(seq_lens)} requests over {len(buffers)} of "
-                    f"{len(self.checker.kv_buffers)} KV buffers; the step had {B} requests"
-                )
-            P = self.ledger.pages
-            bad, pages = _verify_reads_kernel(self.kernels.name)(
-                acc, rows, seq_lens, req_rows, self.ledger.page_size, self.ledger.num_slots,
-                P.digest, P.fill, P.epoch, self.records.rows.agg,
-            )  # fmt: skip
-            verdict.read_bad, verdict.read_pages = bad, pages
-            verdict.read_flagged = bool(bad.any())
-            self._hashed += int(rows.numel())
+            self.ledger.seal(
+                verdict.inputs, verdict.check, self.checker.kv_buffers, self.config.checksums
+            )
+            if self.verifies_reads:
+                try:
+                    self._verify_reads(verdict, read)
+                except Exception as exc:  # nothing unverified is served: the step fails closed
+                    self.internal_error("verify", exc)
+                    verdict.seal_failed = True
         finally:
             self._account(t0)
+
+    def _verify_reads(self, verdict: StepVerdict, read: ReadSums | None) -> None:
+        """After the seal: judge what attention read (``read.rows``, request by request, and the
+        checksum sums ``read.acc`` folded in over ``read.buffers``) against the sealed page
+        digests and the rows' page tags. The result waits in the verdict for ``resolve``, which
+        runs before the step's tokens are emitted. A read not hashed, or not over every stored
+        byte of the pool, cannot be vouched for."""
+        if read is None:
+            raise RuntimeError("the forward's attention read was not hashed")
+        B = len(verdict.view.prefix_lens_host)
+        if len(read.seq_lens) != B or len(read.buffers) != len(self.checker.kv_buffers):
+            raise RuntimeError(
+                f"attention read {len(read.seq_lens)} requests over {len(read.buffers)} of "
+                f"{len(self.checker.kv_buffers)} KV buffers; the step had {B} requests"
+            )
+        P = self.ledger.pages
+        bad, pages = _verify_reads_kernel(self.kernels.name)(
+            read.acc, read.rows, read.seq_lens, read.req_rows, self.ledger.page_size,
+            self.ledger.num_slots, P.digest, P.fill, P.epoch, self.records.rows.agg,
+        )  # fmt: skip
+        verdict.read_bad, verdict.read_pages = bad, pages
+        verdict.read_flagged = bool(pages.numel()) or bool(bad.any())
+        self._hashed += int(read.rows.numel())
 
     def resolve(self, verdict: StepVerdict | None, handles: list[object]) -> list[Violation]:
         """Read a step's verdict (the caller has synced) and act on it. Returns the violations.

@@ -29,3 +29,15 @@ class StepView:
     tenant_seeds: torch.Tensor | None = None  # [B] int64 chain seeds when tenants are isolated
     request_ids: list[str] | None = None  # host ids, for forensic records only
     pad_slot: int = 0  # a slot nobody reads: where the firewall sends a write that fails its check
+
+
+@dataclass(slots=True)
+class ReadSums:
+    """What one forward's attention read, hashed as it read it (filled in by an engine adapter
+    whose attention folds the token checksum into its KV gather)."""
+
+    rows: torch.Tensor  # [N] int64: every slot read, request by request, position by position
+    seq_lens: list[int]  # [B] positions read per request (the segments of rows)
+    req_rows: torch.Tensor  # [B] int64: each request's page-table row
+    acc: torch.Tensor  # [N] int64: the checksum's inner sums of the bytes read
+    buffers: set[int]  # the guarded KV buffers (their indices) folded into acc

@@ -60,26 +60,14 @@ def around_model_forward(original, runner, forward_batch, *args, **kwargs):
     out = original(runner, forward_batch, *args, **kwargs)
     if verdict is not None and verdict is not GUARD_FAILED:
         try:
-            guard.after_forward(verdict)
+            # what attention read, hashed as it read it (kv_read), judged before any token of
+            # this forward leaves; a forward whose read was not hashed fails closed there
+            read = kv_read.take_sums() if guard.verifies_reads else None
+            guard.after_forward(verdict, read)
         except Exception as exc:
             guard.internal_error("seal", exc)
             verdict.seal_failed = True  # resolve fails it closed (or at the tokens' next read)
-        if guard.verifies_reads and not verdict.seal_failed:
-            _verify_reads(guard, verdict)
     return out
-
-
-def _verify_reads(guard, verdict) -> None:
-    """Judge what attention read, hashed as it read it (``kv_read``), before any token of this
-    forward leaves. A forward whose read was not hashed fails closed."""
-    try:
-        rec = kv_read.take_record()
-        if rec is None or rec.acc is None:
-            raise kv_read.UnverifiableRead("the forward's attention read was not hashed")
-        guard.verify_reads(verdict, rec.rows, rec.seq_lens, rec.req_rows, rec.acc, rec.buffers)
-    except Exception as exc:
-        guard.internal_error("verify", exc)
-        verdict.seal_failed = True  # resolve fails the step closed
 
 
 GUARD_FAILED = object()  # the verdict of a step the guard could not check: abort its requests

@@ -11,7 +11,7 @@ remapped page table:
 * When the guard verifies reads (``Guard.verifies_reads``): each row gathered also adds its
   buffer's part of the token checksum into a per-row accumulator, so after the last layer the
   guard holds the checksum of exactly the bytes attention read, and judges them against the
-  sealed page digests before the step's tokens leave (``Guard.verify_reads``).
+  sealed page digests before the step's tokens leave (``Guard.after_forward``).
 * Otherwise (a BF16 pool, guard off or not verifying reads) SGLang's own loop runs untouched.
 
 The rows are taken from the page table once per forward, at its first attention layer, and
@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kvguard.patches import cpu_fp8_kv, state
+from kvguard.step import ReadSums
 
 _local = threading.local()  # the attention layer running now, and this forward's read record
 
@@ -64,10 +65,18 @@ def clear_record() -> None:
 
 
 def take_record() -> ReadRecord | None:
-    """What this thread's forward read and hashed since ``clear_record`` (cleared)."""
+    """What this thread's forward read (and hashed) since ``clear_record`` (cleared)."""
     rec = getattr(_local, "record", None)
     _local.record = None
     return rec
+
+
+def take_sums() -> ReadSums | None:
+    """The guard's view of this forward's hashed read (None: nothing was hashed)."""
+    rec = take_record()
+    if rec is None or rec.acc is None:
+        return None
+    return ReadSums(rec.rows, rec.seq_lens, rec.req_rows, rec.acc, rec.buffers)
 
 
 # -- TorchNativeAttnBackend.forward_extend / forward_decode (AROUND) ----------------------------------

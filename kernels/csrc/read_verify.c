@@ -304,12 +304,12 @@ static PyObject *gather_rows(PyObject *self, PyObject *const *args, Py_ssize_t n
  * up to what the row holds (agg): the pages attention read are the row's own, whatever the page
  * table said by the time it was read. bad_req[b] = 1 where any of that fails; the pages whose
  * content disagrees, of readers that do hold them, are listed in bad_pages (at most max_bad).
- * Returns the count listed. */
+ * Returns (requests failed << 32) | pages listed. */
 static i64 verify_reads_into(const u64 *acc, const i64 *rows, const i64 *seq_lens, const i64 *req_rows,
                              i64 B, i64 ps, i64 num_slots, const i64 *digest, const int16_t *fill,
                              const i64 *epoch, const i64 *agg, uint8_t *bad_req, i64 *bad_pages,
                              i64 max_bad) {
-    i64 nbad = 0, s = 0;
+    i64 nbad = 0, s = 0, nreq = 0;
     for (i64 b = 0; b < B; b++) {
         const i64 L = seq_lens[b];
         const i64 listed = nbad; /* this request's bad pages start here */
@@ -345,9 +345,10 @@ static i64 verify_reads_into(const u64 *acc, const i64 *rows, const i64 *seq_len
             nbad = listed;
         }
         bad_req[b] = (uint8_t)bad;
+        nreq += bad;
         s += L;
     }
-    return nbad;
+    return (nreq << 32) | nbad;
 }
 
 static PyObject *verify_reads(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
