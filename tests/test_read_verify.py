@@ -168,23 +168,25 @@ def _guard_for(pool, ps: int, monkeypatch) -> Guard:
     return guard
 
 
+@pytest.mark.parametrize("ps", [1, 16, 64])
 @pytest.mark.parametrize("fp8", [True, False])
-def test_fused_read_bit_identical_mha(sgl, hooked, monkeypatch, fp8):  # noqa: F811
+def test_fused_read_bit_identical_mha(sgl, hooked, monkeypatch, fp8, ps):  # noqa: F811
     """Attention through the fused (hashed) read == SGLang's own loop, and what it hashed is the
     token digest of every position read."""
     n = 21
     q, k, v = _qkv(n + 1, magnitude=2.0, seed=3)
     outs = []
     for verify in (False, True):
-        pool, backend, layer, slots = _setup(sgl, n, register=False)
-        if not fp8:  # the same backend over a BF16 pool
-            pool = sgl.MHATokenToKVPool(
-                size=64, page_size=16, dtype=torch.bfloat16, head_num=KV_HEADS, head_dim=DIM,
-                layer_num=1, device="cpu", enable_memory_saver=False,
-            )  # fmt: skip
-            backend.token_to_kv_pool = pool
+        _, backend, layer, slots = _setup(sgl, n, register=False)
+        quant = {"quant_method": sgl.CPUFP8KVCacheMethod()} if fp8 else {}
+        pool = sgl.MHATokenToKVPool(
+            size=128, page_size=ps, dtype=torch.float8_e4m3fn if fp8 else torch.bfloat16,
+            head_num=KV_HEADS, head_dim=DIM, layer_num=1, device="cpu",
+            enable_memory_saver=False, **quant,
+        )  # fmt: skip
+        backend.token_to_kv_pool = pool
         if verify:
-            guard = _guard_for(pool, 16, monkeypatch)
+            guard = _guard_for(pool, ps, monkeypatch)
         else:
             monkeypatch.setattr(state, "guard", None)
         kv_read.clear_record()
@@ -199,8 +201,9 @@ def test_fused_read_bit_identical_mha(sgl, hooked, monkeypatch, fp8):  # noqa: F
     assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
 
 
+@pytest.mark.parametrize("ps", [1, 16, 64])
 @pytest.mark.parametrize("fp8", [True, False])
-def test_fused_read_bit_identical_mla(sgl, mla_hooked, monkeypatch, fp8):  # noqa: F811
+def test_fused_read_bit_identical_mla(sgl, mla_hooked, monkeypatch, fp8, ps):  # noqa: F811
     n = 19
     g = torch.Generator().manual_seed(7)
     q = torch.randn(n + 1, 4 * (LORA + ROPE), generator=g).to(torch.bfloat16)
@@ -209,8 +212,18 @@ def test_fused_read_bit_identical_mla(sgl, mla_hooked, monkeypatch, fp8):  # noq
     outs = []
     for verify in (False, True):
         pool, backend, layer, slots = _mla_setup(sgl, n, dtype=dtype, register=fp8)
+        if ps != 16:  # the same pool at another page size
+            from sglang.srt.mem_cache.memory_pool import MLATokenToKVPool
+
+            pool = MLATokenToKVPool(
+                size=128, page_size=ps, dtype=dtype, kv_lora_rank=LORA, qk_rope_head_dim=ROPE,
+                layer_num=1, device="cpu", enable_memory_saver=False,
+            )  # fmt: skip
+            if fp8:
+                cpu_fp8_kv._fp8_pools.add(pool)
+            backend.token_to_kv_pool = pool
         if verify:
-            guard = _guard_for(pool, 16, monkeypatch)
+            guard = _guard_for(pool, ps, monkeypatch)
         else:
             monkeypatch.setattr(state, "guard", None)
         kv_read.clear_record()
