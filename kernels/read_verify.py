@@ -97,12 +97,14 @@ def verify_reads(
                      (agg, torch.int64)):  # fmt: skip
         if t.dtype != dtype or not t.is_contiguous() or not t.is_cpu:
             raise ValueError("verify_reads: contiguous CPU tensors of the ledger's dtypes")
+    if min(seq_lens, default=0) < 0:
+        raise ValueError("verify_reads: a negative read length")
     lens = array("q", seq_lens)
     bad = array("B", bytes(max(B, 1)))
     pages = array("q", bytes(8 * _MAX_BAD_PAGES))
     r = C.verify_reads(
         acc.data_ptr(), rows.data_ptr(), lens.buffer_info()[0], req_rows.data_ptr(), B,
-        page_size, num_slots, digest.data_ptr(), fill.data_ptr(), epoch.data_ptr(),
+        page_size, num_slots, agg.numel(), digest.data_ptr(), fill.data_ptr(), epoch.data_ptr(),
         agg.data_ptr(), bad.buffer_info()[0], pages.buffer_info()[0], _MAX_BAD_PAGES,
     )  # fmt: skip
     if r >> 32 == 0:

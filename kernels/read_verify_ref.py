@@ -76,6 +76,8 @@ def verify_reads(
     """(bad [B] bool, pages whose content disagrees [k] int64, in request then page order: only
     those of readers whose page tags hold, i.e. that do hold them)."""
     ps = page_size
+    if min(seq_lens, default=0) < 0:
+        raise ValueError("verify_reads: a negative read length")
     bad = torch.zeros(len(seq_lens), dtype=torch.bool)
     bad_pages: list[int] = []
     start = 0
@@ -93,12 +95,13 @@ def verify_reads(
             page = head // ps
             placed = bool((seg_rows[lo:hi] == page * ps + torch.arange(hi - lo)).all())
             tags += int(page_tag(epoch[page : page + 1], torch.tensor([j]))[0])
-            if not placed:
-                bad[b] = True
-            elif int(digests[lo:hi].sum()) != int(digest[page]) or int(fill[page]) != hi - lo:
+            if not placed or int(fill[page]) != hi - lo:
+                bad[b] = True  # unsealed or misplaced: the request is wrong, not the page's bytes
+            elif int(digests[lo:hi].sum()) != int(digest[page]):
                 bad[b] = True
                 bad_pages.append(page)
-        if to_signed64(tags) != int(agg[int(req_rows[b])]):
+        row = int(req_rows[b])
+        if not 0 <= row < agg.numel() or to_signed64(tags) != int(agg[row]):
             # not (all) the row's own pages: the reader is wrong, not the pages' content (a page
             # claimed since by its new owner must not be quarantined on a stale read)
             bad[b] = True

@@ -248,11 +248,12 @@ class Guard:
         byte of the pool, cannot be vouched for."""
         if read is None:
             raise RuntimeError("the forward's attention read was not hashed")
-        B = len(verdict.view.prefix_lens_host)
-        if len(read.seq_lens) != B or len(read.buffers) != len(self.checker.kv_buffers):
+        B, nbuf = len(verdict.view.prefix_lens_host), len(self.checker.kv_buffers)
+        if len(read.seq_lens) != B or len(read.buffers) != nbuf or read.hashes != nbuf:
             raise RuntimeError(
-                f"attention read {len(read.seq_lens)} requests over {len(read.buffers)} of "
-                f"{len(self.checker.kv_buffers)} KV buffers; the step had {B} requests"
+                f"attention read {len(read.seq_lens)} requests, hashing {read.hashes} times over "
+                f"{len(read.buffers)} of {nbuf} KV buffers (each exactly once); the step had "
+                f"{B} requests"
             )
         P = self.ledger.pages
         bad, pages = _verify_reads_kernel(self.kernels.name)(
@@ -282,8 +283,14 @@ class Guard:
         B = len(handles)
         events = bool(self._double_freed or self._stale_freed)
         t0 = None if self.host_reads_free else clock()  # a GPU's flag read is real work
-        if verdict is not None and verdict.seal_failed and self.peers is None:
-            verdict = None  # one rank: fail the step closed now (with peers, see below)
+        if (
+            verdict is not None
+            and verdict.seal_failed
+            and (self.peers is None or verdict.agreement is None)
+        ):
+            # fail the step closed now; with peers it joins the agreement below with its failure
+            # flag (an agreement already in flight cannot carry it: see below)
+            verdict = None
         summary: torch.Tensor | None = None
         agreement = verdict.agreement if verdict is not None else None  # in flight: waited below
         if verdict is not None:
@@ -396,9 +403,12 @@ class Guard:
             pages = torch.nonzero(c.taint | c.reclaim).reshape(-1)
         t, r = c.taint[pages], c.reclaim[pages]
         if read.numel():  # pages whose bytes, as attention read them, failed their digest
-            pages = torch.cat((pages, read.to(pages.device)))
-            t = torch.cat((t, torch.ones(read.numel(), dtype=torch.bool, device=t.device)))
-            r = torch.cat((r, torch.zeros(read.numel(), dtype=torch.bool, device=r.device)))
+            read = torch.unique(read).to(pages.device)  # once each, however many read them
+            t = t | torch.isin(pages, read)
+            extra = read[~torch.isin(read, pages)]
+            pages = torch.cat((pages, extra))
+            t = torch.cat((t, torch.ones(extra.numel(), dtype=torch.bool, device=t.device)))
+            r = torch.cat((r, torch.zeros(extra.numel(), dtype=torch.bool, device=r.device)))
         epochs = self.ledger.epoch[pages]
         same = (epochs >> EPOCH_STEP_SHIFT) <= verdict.view.step
         pages, epochs, t, r = pages[same], epochs[same], t[same], r[same]
@@ -588,7 +598,9 @@ class Guard:
     def unread_taint(self) -> bool:
         """Did the newest unread verdict find bad pages? (CPU only, like suspect_before_resolve.)"""
         v = self._unresolved
-        return v is not None and self.host_reads_free and v.check.flags()[1]
+        if v is None or not self.host_reads_free:
+            return False
+        return v.check.flags()[1] or (v.read_pages is not None and bool(v.read_pages.numel()))
 
     def suspect_before_resolve(
         self, request_id: str | None = None, slots: torch.Tensor | None = None
@@ -601,13 +613,20 @@ class Guard:
         if v is None or not self.host_reads_free:
             return False
         flagged, tainted, _ = v.check.flags()
-        if request_id is not None and flagged and v.view.request_ids:
+        read_bad = v.read_bad if v.read_flagged else None  # what attention read failed
+        if request_id is not None and (flagged or read_bad is not None) and v.view.request_ids:
             B = len(v.view.prefix_lens_host)
             kinds = v.check.kinds[:B].tolist()
-            if any(rid == request_id and k for rid, k in zip(v.view.request_ids, kinds)):
+            bad = read_bad[:B].tolist() if read_bad is not None else [False] * B
+            ids = v.view.request_ids
+            if any(rid == request_id and (k or b) for rid, k, b in zip(ids, kinds, bad)):
                 return True
-        if slots is not None and tainted:
-            return bool(v.check.taint[self.ledger.pages_of(slots.to(self.device))].any())
+        if slots is not None and (tainted or read_bad is not None):
+            pages = self.ledger.pages_of(slots.to(self.device))
+            if tainted and bool(v.check.taint[pages].any()):
+                return True
+            if v.read_pages is not None and v.read_pages.numel():
+                return bool(torch.isin(pages, v.read_pages.to(pages.device)).any())
         return False
 
     def adoptable(self, slots: torch.Tensor, tokens: list[int], seed: int = 0) -> bool:

@@ -42,6 +42,8 @@ class ReadRecord:
     table: torch.Tensor  # [B, max_len] int64: a request's position -> index into rows
     acc: torch.Tensor | None  # [N] int64: checksum inner sums of what was read (verifying)
     buffers: set[int] = field(default_factory=set)  # the pool buffers hashed into acc
+    hashes: int = 0  # buffer reads hashed into acc
+    failed: bool = False  # this forward's read could not be taken here: never vouched for
 
 
 def read_path_unavailable(model_runner) -> str | None:
@@ -74,9 +76,9 @@ def take_record() -> ReadRecord | None:
 def take_sums() -> ReadSums | None:
     """The guard's view of this forward's hashed read (None: nothing was hashed)."""
     rec = take_record()
-    if rec is None or rec.acc is None:
+    if rec is None or rec.acc is None or rec.failed:
         return None
-    return ReadSums(rec.rows, rec.seq_lens, rec.req_rows, rec.acc, rec.buffers)
+    return ReadSums(rec.rows, rec.seq_lens, rec.req_rows, rec.acc, rec.buffers, rec.hashes)
 
 
 # -- TorchNativeAttnBackend.forward_extend / forward_decode (AROUND) ----------------------------------
@@ -119,20 +121,25 @@ def around_sdpa(
             *args, **kwargs,
         )  # fmt: skip
     tables, forward_batch, first_layer, guard = read
-    if forward_batch.encoder_lens is not None:
-        if guard is not None:  # cross-attention reads the guard does not model: never unverified
-            raise UnverifiableRead("encoder-decoder attention: reads cannot be verified")
+    try:
+        rec = _record(forward_batch, first_layer, req_to_token, req_pool_indices, seq_lens, guard)
+        if forward_batch.encoder_lens is not None:  # cross-attention: not modelled here
+            raise UnverifiableRead("encoder-decoder attention")
+        k_table, v_table = tables if tables is not None else (None, None)
+        k = _gather(guard, rec, k_cache, k_table)
+        if v_cache.data_ptr() == k_cache.data_ptr() and v_cache.shape[:-1] == k_cache.shape[:-1]:
+            v = k[..., : v_cache.shape[-1]]  # MLA: V is the latent part of the same rows
+        else:
+            v = _gather(guard, rec, v_cache, v_table)
+    except Exception as exc:
+        # The read cannot be taken (and hashed) here: SGLang's own loop serves it, the record
+        # says failed, and the guard fails the step closed after the forward (nothing
+        # unverified leaves; the scheduler goes on).
+        _fail(forward_batch, exc)
         return original(
             backend, query, output, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens,
             *args, **kwargs,
         )  # fmt: skip
-    rec = _record(forward_batch, first_layer, req_to_token, req_pool_indices, seq_lens, guard)
-    k_table, v_table = tables if tables is not None else (None, None)
-    k = _gather(guard, rec, k_cache, k_table)
-    if v_cache.data_ptr() == k_cache.data_ptr() and v_cache.shape[:-1] == k_cache.shape[:-1]:
-        v = k[..., : v_cache.shape[-1]]  # MLA: V is the latent part of the same rows
-    else:
-        v = _gather(guard, rec, v_cache, v_table)
     batch = torch.arange(rec.table.shape[0], device=rec.table.device)
     _local.read = None  # the copy is what SGLang's loop reads: a nested wrapper passes it through
     try:
@@ -143,6 +150,19 @@ def around_sdpa(
 
 class UnverifiableRead(RuntimeError):
     """Attention read KV the guard cannot verify: the step fails closed."""
+
+
+def _fail(forward_batch, exc: Exception) -> None:
+    rec = getattr(_local, "record", None)
+    if rec is None or rec.forward_batch is not forward_batch:
+        empty = torch.empty(0, dtype=torch.int64)
+        rec = ReadRecord(forward_batch, empty, [], empty, empty.view(0, 0), None)
+        _local.record = rec
+    if not rec.failed:
+        rec.failed = True
+        guard = state.guard
+        if guard is not None:
+            guard.internal_error("read", exc)
 
 
 def _gather(guard, rec: ReadRecord, cache: torch.Tensor, table) -> torch.Tensor:
@@ -156,6 +176,7 @@ def _gather(guard, rec: ReadRecord, cache: torch.Tensor, table) -> torch.Tensor:
                 f"attention read a buffer the guard does not hold ({cache.shape})"
             )
         rec.buffers.add(index)
+        rec.hashes += 1
     base = cache.view(torch.uint8) if cache.dtype == torch.float8_e4m3fn else cache
     out = read_verify.gather_rows(
         base, rec.rows, table, index, rec.acc if index is not None else None
@@ -171,8 +192,12 @@ def _record(
     layer, reused by the others."""
     rec = getattr(_local, "record", None)
     if not first_layer and rec is not None and rec.forward_batch is forward_batch:
+        if rec.failed:
+            raise UnverifiableRead("this forward's read already failed")
         return rec
     lens = seq_lens.tolist()
+    if not lens or min(lens) < 0:
+        raise UnverifiableRead(f"a batch reading {lens} positions")
     req_rows = req_pool_indices.to(torch.int64)
     rows = torch.cat([req_to_token[r, :n] for r, n in zip(req_rows.tolist(), lens)])
     rows = rows.to(torch.int64).contiguous()

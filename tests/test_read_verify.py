@@ -150,6 +150,20 @@ def test_verify_reads_clean_then_each_fault(ps):
         bad, _ = _both(_read(bufs, swapped), swapped, lens, req_rows, ps, slots, led)
         assert bad[2]
 
+    # a page sealed less far than read (a firewalled write): the reader fails, the page is not
+    # quarantined (its bytes are not what is wrong)
+    page0 = int(rows[0]) // ps
+    led["fill"][page0] -= 1
+    bad, pages = _both(_read(bufs, rows), rows, lens, req_rows, ps, slots, led)
+    assert bad[0] and pages == []
+    led["fill"][page0] += 1
+
+    # a page-table row outside the records never reads out of bounds
+    wrong_row = req_rows.clone()
+    wrong_row[1] = -1
+    bad, _ = _both(_read(bufs, rows), rows, lens, wrong_row, ps, slots, led)
+    assert bad == [False, True, False]
+
     # a slot outside the pool never crashes the gather and fails its reader
     wild = rows.clone()
     wild[40] = slots + 5
@@ -278,3 +292,18 @@ def test_bytes_changed_inside_the_forward_fail_the_read(sgl, hooked, monkeypatch
     pool.k_buffer[0].view(torch.uint8)[slots[4], 0, 3] ^= 0x20  # lands after the check
     assert judged() == [True]
     assert DIM and KV_HEADS  # the geometry of test_fp8_kv's pool
+
+
+def test_unhashable_read_is_served_and_never_vouched_for(sgl, hooked, monkeypatch):  # noqa: F811
+    """Attention reads a buffer the guard does not hold: no crash, SGLang's own loop serves the
+    forward, and the guard gets no read to vouch for (its step then fails closed)."""
+    n = 9
+    q, k, v = _qkv(n + 1, seed=2)
+    pool, backend, layer, slots = _setup(sgl, n, register=True)
+    guard = _guard_for(pool, 16, monkeypatch)
+    monkeypatch.setattr(guard, "_buffer_index", {})  # as if the pool's buffers were replaced
+    kv_read.clear_record()
+    out = _run(sgl, backend, layer, slots, q, k, v, n)
+    assert all(bool(torch.isfinite(o.float()).all()) for o in out)
+    assert kv_read.take_sums() is None
+    assert guard.num_internal_errors == 2  # once per forward (prefill, decode), no more

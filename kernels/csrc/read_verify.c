@@ -182,6 +182,7 @@ static int have_vbmi(void) {
 #endif
 
 #define PREFETCH_AHEAD 8
+#define ROW_COPY_WORDS 1024 /* rows up to 4 KiB are copied once before their scalar lookup */
 
 /* gather_rows(src, slot_stride, row_bytes, num_slots, rows, n, table, elem, out, lo, hi, acc)
  *
@@ -212,11 +213,20 @@ CLONES static i64 gather_rows_into(const uint8_t *src, i64 slot_stride, i64 row_
             continue;
         }
         const uint8_t *row = src + slot * slot_stride;
+        if (!table) { /* hashed from the copy attention reads: no window between check and use */
+            memcpy(dst, row, (size_t)row_bytes);
+            if (acc) acc[i] += hi ? row_inner((const uint32_t *)dst, lo, hi, words)
+                                  : row_inner_lo((const uint32_t *)dst, lo, words);
+            continue;
+        }
+        uint32_t tmp[ROW_COPY_WORDS]; /* the row once, then hashed and looked up from this copy */
+        if (row_bytes <= (i64)sizeof(tmp)) {
+            memcpy(tmp, row, (size_t)row_bytes);
+            row = (const uint8_t *)tmp;
+        }
         if (acc) acc[i] += hi ? row_inner((const uint32_t *)row, lo, hi, words)
                               : row_inner_lo((const uint32_t *)row, lo, words);
-        if (!table) {
-            memcpy(dst, row, (size_t)row_bytes);
-        } else if (elem == 2) {
+        if (elem == 2) {
             const uint16_t *t = (const uint16_t *)table;
             uint16_t *d = (uint16_t *)dst;
             for (i64 j = 0; j < row_bytes; j++) d[j] = t[row[j]];
@@ -293,8 +303,8 @@ static PyObject *gather_rows(PyObject *self, PyObject *const *args, Py_ssize_t n
     return PyLong_FromLongLong(bad);
 }
 
-/* verify_reads(acc, rows, seq_lens, req_rows, B, ps, num_slots, digest, fill, epoch, agg,
- *              bad_req, bad_pages, max_bad)
+/* verify_reads(acc, rows, seq_lens, req_rows, B, ps, num_slots, num_rows, digest, fill, epoch,
+ *              agg, bad_req, bad_pages, max_bad)
  *
  * After the last layer: request b read positions [0, seq_lens[b]) through rows[s_b ...] (its
  * segment of the batch's rows, in order), and acc holds the inner sums of what it read. For each
@@ -303,12 +313,13 @@ static PyObject *gather_rows(PyObject *self, PyObject *const *args, Py_ssize_t n
  * position must sit at its offset in that one page, and the row's page tags (epoch, j) must add
  * up to what the row holds (agg): the pages attention read are the row's own, whatever the page
  * table said by the time it was read. bad_req[b] = 1 where any of that fails; the pages whose
- * content disagrees, of readers that do hold them, are listed in bad_pages (at most max_bad).
+ * content disagrees (sealed exactly as far as read, in place, digest differs), of readers that do
+ * hold them, are listed in bad_pages (at most max_bad).
  * Returns (requests failed << 32) | pages listed. */
 static i64 verify_reads_into(const u64 *acc, const i64 *rows, const i64 *seq_lens, const i64 *req_rows,
-                             i64 B, i64 ps, i64 num_slots, const i64 *digest, const int16_t *fill,
-                             const i64 *epoch, const i64 *agg, uint8_t *bad_req, i64 *bad_pages,
-                             i64 max_bad) {
+                             i64 B, i64 ps, i64 num_slots, i64 num_rows, const i64 *digest,
+                             const int16_t *fill, const i64 *epoch, const i64 *agg, uint8_t *bad_req,
+                             i64 *bad_pages, i64 max_bad) {
     i64 nbad = 0, s = 0, nreq = 0;
     for (i64 b = 0; b < B; b++) {
         const i64 L = seq_lens[b];
@@ -331,14 +342,15 @@ static i64 verify_reads_into(const u64 *acc, const i64 *rows, const i64 *seq_len
                 sum += fmix64(acc[s + p] ^ splitmix64((u64)p + POS_SEED));
             }
             tags += page_tag(epoch[page], j);
-            if (!placed) {
-                bad = 1;
-            } else if (sum != (u64)digest[page] || (i64)fill[page] != hi - lo) {
+            if (!placed || (i64)fill[page] != hi - lo) {
+                bad = 1; /* unsealed or misplaced: the request is wrong, not the page's bytes */
+            } else if (sum != (u64)digest[page]) {
                 bad = 1;
                 if (nbad < max_bad) bad_pages[nbad++] = page;
             }
         }
-        if (tags != (u64)agg[req_rows[b]]) {
+        const i64 row = req_rows[b];
+        if (row < 0 || row >= num_rows || tags != (u64)agg[row]) {
             /* not (all) the row's own pages: the reader is wrong, not the pages' content (a
              * page claimed since by its new owner must not be quarantined on a stale read) */
             bad = 1;
@@ -352,18 +364,24 @@ static i64 verify_reads_into(const u64 *acc, const i64 *rows, const i64 *seq_len
 }
 
 static PyObject *verify_reads(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    i64 a[14];
-    if (ints(args, nargs, 14, a)) return NULL;
+    i64 a[15];
+    if (ints(args, nargs, 15, a)) return NULL;
     if (a[5] <= 0) {
         PyErr_SetString(PyExc_ValueError, "verify_reads: page size must be positive");
         return NULL;
     }
+    const i64 *lens = PTR(const i64 *, a[2]);
+    for (i64 b = 0; b < a[4]; b++)
+        if (lens[b] < 0) {
+            PyErr_SetString(PyExc_ValueError, "verify_reads: a negative read length");
+            return NULL;
+        }
     i64 n;
     Py_BEGIN_ALLOW_THREADS
-    n = verify_reads_into(PTR(const u64 *, a[0]), PTR(const i64 *, a[1]), PTR(const i64 *, a[2]),
-                          PTR(const i64 *, a[3]), a[4], a[5], a[6], PTR(const i64 *, a[7]),
-                          PTR(const int16_t *, a[8]), PTR(const i64 *, a[9]), PTR(const i64 *, a[10]),
-                          PTR(uint8_t *, a[11]), PTR(i64 *, a[12]), a[13]);
+    n = verify_reads_into(PTR(const u64 *, a[0]), PTR(const i64 *, a[1]), lens, PTR(const i64 *, a[3]),
+                          a[4], a[5], a[6], a[7], PTR(const i64 *, a[8]), PTR(const int16_t *, a[9]),
+                          PTR(const i64 *, a[10]), PTR(const i64 *, a[11]), PTR(uint8_t *, a[12]),
+                          PTR(i64 *, a[13]), a[14]);
     Py_END_ALLOW_THREADS
     return PyLong_FromLongLong(n);
 }
