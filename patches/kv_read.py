@@ -136,10 +136,14 @@ def around_sdpa(
         # says failed, and the guard fails the step closed after the forward (nothing
         # unverified leaves; the scheduler goes on).
         _fail(forward_batch, exc)
-        return original(
-            backend, query, output, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens,
-            *args, **kwargs,
-        )  # fmt: skip
+        _local.read = None  # a nested wrapper passes SGLang's own read through
+        try:
+            return original(
+                backend, query, output, k_cache, v_cache, req_to_token, req_pool_indices,
+                seq_lens, *args, **kwargs,
+            )  # fmt: skip
+        finally:
+            _local.read = read
     batch = torch.arange(rec.table.shape[0], device=rec.table.device)
     _local.read = None  # the copy is what SGLang's loop reads: a nested wrapper passes it through
     try:

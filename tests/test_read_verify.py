@@ -30,6 +30,7 @@ from kvguard.kernels.guard_ref import page_tag
 from kvguard.kernels.kv_checksum_ref import fmix64, poskey, to_signed64, token_digests_ref
 from kvguard.patches import cpu_fp8_kv, kv_read, state
 from kvguard.patches.adapter import guarded_kv_buffers
+from kvguard.patches.targets import READ_TARGETS
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
@@ -302,6 +303,12 @@ def test_unhashable_read_is_served_and_never_vouched_for(sgl, hooked, monkeypatc
     pool, backend, layer, slots = _setup(sgl, n, register=True)
     guard = _guard_for(pool, 16, monkeypatch)
     monkeypatch.setattr(guard, "_buffer_index", {})  # as if the pool's buffers were replaced
+    for target, hook_type, hook_path, _why in READ_TARGETS:  # wrapped twice, as by two loaders
+        owner_path, attr = target.rsplit(".", 1)
+        owner = sgl.pkgutil.resolve_name(owner_path)
+        hook = getattr(kv_read, hook_path.split(".", 1)[1])
+        wrapped = sgl._wrap_fn(getattr(owner, attr), hook, sgl.HookType[hook_type])
+        monkeypatch.setattr(owner, attr, wrapped)
     kv_read.clear_record()
     out = _run(sgl, backend, layer, slots, q, k, v, n)
     assert all(bool(torch.isfinite(o.float()).all()) for o in out)
