@@ -40,5 +40,4 @@ class ReadSums:
     seq_lens: list[int]  # [B] positions read per request (the segments of rows)
     req_rows: torch.Tensor  # [B] int64: each request's page-table row
     acc: torch.Tensor  # [N] int64: the checksum's inner sums of the bytes read
-    buffers: set[int]  # the guarded KV buffers (their indices) folded into acc
-    hashes: int  # buffer reads folded into acc (each buffer exactly once for a full read)
+    buffers: list[int]  # the guarded KV buffers (indices) folded into acc, one entry per read

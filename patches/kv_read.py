@@ -41,8 +41,7 @@ class ReadRecord:
     req_rows: torch.Tensor  # [B] int64: each request's page-table row
     table: torch.Tensor  # [B, max_len] int64: a request's position -> index into rows
     acc: torch.Tensor | None  # [N] int64: checksum inner sums of what was read (verifying)
-    buffers: set[int] = field(default_factory=set)  # the pool buffers hashed into acc
-    hashes: int = 0  # buffer reads hashed into acc
+    buffers: list[int] = field(default_factory=list)  # the pool buffers hashed into acc, per read
     failed: bool = False  # this forward's read could not be taken here: never vouched for
 
 
@@ -78,7 +77,7 @@ def take_sums() -> ReadSums | None:
     rec = take_record()
     if rec is None or rec.acc is None or rec.failed:
         return None
-    return ReadSums(rec.rows, rec.seq_lens, rec.req_rows, rec.acc, rec.buffers, rec.hashes)
+    return ReadSums(rec.rows, rec.seq_lens, rec.req_rows, rec.acc, rec.buffers)
 
 
 # -- TorchNativeAttnBackend.forward_extend / forward_decode (AROUND) ----------------------------------
@@ -179,8 +178,7 @@ def _gather(guard, rec: ReadRecord, cache: torch.Tensor, table) -> torch.Tensor:
             raise UnverifiableRead(
                 f"attention read a buffer the guard does not hold ({cache.shape})"
             )
-        rec.buffers.add(index)
-        rec.hashes += 1
+        rec.buffers.append(index)
     base = cache.view(torch.uint8) if cache.dtype == torch.float8_e4m3fn else cache
     out = read_verify.gather_rows(
         base, rec.rows, table, index, rec.acc if index is not None else None

@@ -7,14 +7,10 @@
  * contiguous host memory, sizes as integers. Nothing here allocates per step except small
  * scratch tables sized by the step's writes.
  */
-#define PY_SSIZE_T_CLEAN
-#include <Python.h>
-#include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
-typedef uint64_t u64;
-typedef int64_t i64;
+#include "kv_hash.h"
 
 enum { FREE = 0, OWNED = 1, SHARED = 2, QUARANTINED = 3, ALLOCATED = 4 };
 enum { EV_CLAIM = 1, EV_SHARE = 3, EV_FREE = 4, EV_ALLOC = 6, EV_REBIND = 8 };
@@ -28,25 +24,6 @@ enum {
 #define NO_ROW 0xFFFFFLL
 #define EPOCH_STEP_SHIFT 24
 
-static const u64 GOLDEN = 0x9E3779B97F4A7C15ULL;
-static const u64 SM_M1 = 0xBF58476D1CE4E5B9ULL, SM_M2 = 0x94D049BB133111EBULL;
-static const u64 FM1 = 0xFF51AFD7ED558CCDULL, FM2 = 0xC4CEB9FE1A85EC53ULL;
-static const u64 POS_SEED = 0x6B76677561726450ULL;
-
-static inline u64 splitmix64(u64 x) {
-    u64 z = x + GOLDEN;
-    z = (z ^ (z >> 30)) * SM_M1;
-    z = (z ^ (z >> 27)) * SM_M2;
-    return z ^ (z >> 31);
-}
-static inline u64 fmix64(u64 x) {
-    x ^= x >> 33;
-    x *= FM1;
-    x ^= x >> 33;
-    x *= FM2;
-    return x ^ (x >> 33);
-}
-static inline u64 page_tag(i64 epoch, i64 lpage) { return fmix64((u64)epoch * GOLDEN + (u64)lpage); }
 static inline u64 chain_term(i64 tok, i64 pos) { return splitmix64((u64)tok * GOLDEN + (u64)pos); }
 
 /* ---- the ledger and the rows, as the Python side lays them out (kernels/guard_state.py) ---- */
@@ -79,24 +56,12 @@ typedef struct {
     i64 wmax;
 } Kv;
 
-static inline __attribute__((always_inline)) u64
-row_inner(const uint32_t *restrict w, const uint32_t *restrict lo, const uint32_t *restrict hi, i64 n) {
-    u64 s1 = 0;
-    uint32_t s2 = 0;
-    for (i64 j = 0; j < n; j++) {
-        s1 += (u64)w[j] * lo[j];
-        s2 += w[j] * hi[j];
-    }
-    return s1 + ((u64)s2 << 32);
-}
-
 static inline __attribute__((always_inline)) const uint32_t *slot_words(const Buf *b, i64 slot) {
     if (b->page_stride == 0) return (const uint32_t *)(b->base + slot * b->slot_stride);
     i64 p = slot / b->slots_per_page, o = slot % b->slots_per_page;
     return (const uint32_t *)(b->base + p * b->page_stride + o * b->slot_stride);
 }
 
-#define CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
 
 /* Hashing many tokens: one buffer at a time over all of them (the access pattern of a gather:
  * independent rows of one array), asking for the rows PREFETCH_AHEAD tokens ahead, then the
@@ -186,19 +151,7 @@ static i64 *map_slot(Map *m, i64 key, int *found) {
     return &m->vals[h];
 }
 
-/* ---- argument plumbing: every argument is an integer (an address, a size or a flag) ---- */
-static int ints(PyObject *const *args, Py_ssize_t nargs, Py_ssize_t want, i64 *out) {
-    if (nargs != want) {
-        PyErr_Format(PyExc_TypeError, "expected %zd integer arguments, got %zd", want, nargs);
-        return -1;
-    }
-    for (Py_ssize_t i = 0; i < nargs; i++) {
-        out[i] = PyLong_AsLongLong(args[i]);
-        if (out[i] == -1 && PyErr_Occurred()) return -1;
-    }
-    return 0;
-}
-#define PTR(T, v) ((T)(uintptr_t)(v))
+/* ---- the ledger, rows and buffers as their integer arguments lay them out (ints(): kv_hash.h) ---- */
 
 static void load_pages(Pages *P, const i64 *a) {
     P->state = PTR(uint8_t *, a[0]);

@@ -11,82 +11,67 @@
  *
  * A CPython extension with no torch headers: tensors arrive as addresses, sizes as integers.
  */
-#define PY_SSIZE_T_CLEAN
-#include <Python.h>
-#include <stdint.h>
 #include <string.h>
 
-typedef uint64_t u64;
-typedef int64_t i64;
+#include "kv_hash.h"
 
-static const u64 GOLDEN = 0x9E3779B97F4A7C15ULL;
-static const u64 SM_M1 = 0xBF58476D1CE4E5B9ULL, SM_M2 = 0x94D049BB133111EBULL;
-static const u64 FM1 = 0xFF51AFD7ED558CCDULL, FM2 = 0xC4CEB9FE1A85EC53ULL;
-static const u64 POS_SEED = 0x6B76677561726450ULL;
 /* Added to a row's accumulator when its slot is outside the pool: nothing is read there, and the
  * row can no longer match any digest (a corrupted page table must not crash the gather). */
 static const u64 OUT_OF_POOL = 0xA5A5F00DDEADBEEFULL;
 
-static inline u64 splitmix64(u64 x) {
-    u64 z = x + GOLDEN;
-    z = (z ^ (z >> 30)) * SM_M1;
-    z = (z ^ (z >> 27)) * SM_M2;
-    return z ^ (z >> 31);
-}
-static inline u64 fmix64(u64 x) {
-    x ^= x >> 33;
-    x *= FM1;
-    x ^= x >> 33;
-    x *= FM2;
-    return x ^ (x >> 33);
-}
-static inline u64 page_tag(i64 epoch, i64 lpage) { return fmix64((u64)epoch * GOLDEN + (u64)lpage); }
+#define PREFETCH_AHEAD 8
+#define ROW_COPY_WORDS 1024 /* rows up to 4 KiB are copied once before their scalar lookup */
 
-#define PTR(type, v) ((type)(uintptr_t)(v))
-#define CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
+/* One gathered row: its bytes `row` (row_bytes) become `dst`; with lo/hi, returns the row's inner
+ * part as attention reads it (0 without). Each is inlined into its own gather loop below. */
+#define ROW_FN static inline __attribute__((always_inline)) u64
 
-static int ints(PyObject *const *args, Py_ssize_t nargs, Py_ssize_t want, i64 *out) {
-    if (nargs != want) {
-        PyErr_Format(PyExc_TypeError, "expected %zd arguments, got %zd", want, nargs);
-        return -1;
+/* a copy, hashed from the copy attention reads: no window between check and use */
+ROW_FN row_copy(const uint8_t *row, uint8_t *dst, i64 row_bytes, const void *table,
+                    const uint32_t *lo, const uint32_t *hi) {
+    (void)table;
+    memcpy(dst, row, (size_t)row_bytes);
+    return lo ? row_inner((const uint32_t *)dst, lo, hi, row_bytes / 4) : 0;
+}
+
+/* a byte-by-byte table lookup (FP8 -> 2- or 4-byte values), hashed and looked up from one copy */
+#define ROW_LOOKUP(NAME, T)                                                                        \
+    ROW_FN NAME(const uint8_t *row, uint8_t *dst, i64 row_bytes, const void *table,                \
+                    const uint32_t *lo, const uint32_t *hi) {                                      \
+        uint32_t tmp[ROW_COPY_WORDS];                                                              \
+        if (row_bytes <= (i64)sizeof(tmp)) {                                                       \
+            memcpy(tmp, row, (size_t)row_bytes);                                                   \
+            row = (const uint8_t *)tmp;                                                            \
+        }                                                                                          \
+        const T *t = (const T *)table;                                                             \
+        T *d = (T *)dst;                                                                           \
+        for (i64 j = 0; j < row_bytes; j++) d[j] = t[row[j]];                                      \
+        return lo ? row_inner((const uint32_t *)row, lo, hi, row_bytes / 4) : 0;                   \
     }
-    for (Py_ssize_t i = 0; i < nargs; i++) {
-        out[i] = PyLong_AsLongLong(args[i]);
-        if (out[i] == -1 && PyErr_Occurred()) return -1;
-    }
-    return 0;
-}
+ROW_LOOKUP(row_lookup16, uint16_t)
+ROW_LOOKUP(row_lookup32, uint32_t)
 
-/* inner part of one row: w * C = w * lo + ((w * hi) << 32) (mod 2**64), so the sum vectorizes as
- * a widening 32-bit multiply plus a 32-bit one */
-static inline __attribute__((always_inline)) u64
-row_inner(const uint32_t *restrict w, const uint32_t *restrict lo, const uint32_t *restrict hi, i64 n) {
-    u64 s1 = 0;
-    uint32_t s2 = 0;
-    for (i64 j = 0; j < n; j++) {
-        s1 += (u64)w[j] * lo[j];
-        s2 += w[j] * hi[j];
-    }
-    return s1 + ((u64)s2 << 32);
-}
-
-/* the same with every constant below 2**32 (hi all zero): one widening multiply per word */
-static inline __attribute__((always_inline)) u64
-row_inner_lo(const uint32_t *restrict w, const uint32_t *restrict lo, i64 n) {
-    u64 s1 = 0;
-    for (i64 j = 0; j < n; j++) s1 += (u64)w[j] * lo[j];
-    return s1;
-}
-
+#if defined(__x86_64__)
 /* FP8 byte -> 16-bit value, 64 bytes at a time: the 256-entry table split in its low and high
  * bytes, each looked up with two 128-entry byte permutes (AVX-512 VBMI) and a blend on the top
- * bit, then interleaved back into 16-bit values in order. n bytes (any n; the tail masked). */
-#if defined(__x86_64__)
+ * bit, then interleaved back into 16-bit values in order. The words are hashed from the register
+ * the lookup loaded (w * C = w * lo + ((w * hi) << 32), lanes reduced once per row). Any row size
+ * (the tail masked). */
 #include <immintrin.h>
 #define VBMI __attribute__((target("avx512f,avx512bw,avx512vbmi")))
 typedef struct {
     __m512i lo[4], hi[4];
 } ByteTables;
+
+static int have_vbmi(void) {
+    static int known = -1;
+    if (known < 0) {
+        __builtin_cpu_init();
+        known = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                __builtin_cpu_supports("avx512vbmi");
+    }
+    return known;
+}
 
 VBMI static void byte_tables(const uint16_t *t, ByteTables *bt) {
     uint8_t lo[256], hi[256];
@@ -100,50 +85,25 @@ VBMI static void byte_tables(const uint16_t *t, ByteTables *bt) {
     }
 }
 
-VBMI static inline void dequant16_vbmi(const uint8_t *src, uint16_t *dst, i64 n, const ByteTables *bt) {
-    const __m512i first = _mm512_set_epi64(11, 10, 3, 2, 9, 8, 1, 0);
-    const __m512i second = _mm512_set_epi64(15, 14, 7, 6, 13, 12, 5, 4);
-    for (i64 off = 0; off < n; off += 64) {
-        const i64 left = n - off;
-        const __mmask64 m = left >= 64 ? ~(__mmask64)0 : (((__mmask64)1 << left) - 1);
-        const __m512i x = _mm512_maskz_loadu_epi8(m, src + off);
-        const __mmask64 top = _mm512_movepi8_mask(x);
-        const __m512i lo = _mm512_mask_blend_epi8(top, _mm512_permutex2var_epi8(bt->lo[0], x, bt->lo[1]),
-                                                  _mm512_permutex2var_epi8(bt->lo[2], x, bt->lo[3]));
-        const __m512i hi = _mm512_mask_blend_epi8(top, _mm512_permutex2var_epi8(bt->hi[0], x, bt->hi[1]),
-                                                  _mm512_permutex2var_epi8(bt->hi[2], x, bt->hi[3]));
-        const __m512i a = _mm512_unpacklo_epi8(lo, hi), b = _mm512_unpackhi_epi8(lo, hi);
-        const __m512i out0 = _mm512_permutex2var_epi64(a, first, b);
-        const __m512i out1 = _mm512_permutex2var_epi64(a, second, b);
-        if (left >= 64) {
-            _mm512_storeu_si512((void *)(dst + off), out0);
-            _mm512_storeu_si512((void *)(dst + off + 32), out1);
-        } else {
-            const __mmask32 m0 = left >= 32 ? ~(__mmask32)0 : (((__mmask32)1 << left) - 1);
-            const __mmask32 m1 = left > 32 ? (((__mmask32)1 << (left - 32)) - 1) : 0;
-            _mm512_mask_storeu_epi16(dst + off, m0, out0);
-            _mm512_mask_storeu_epi16(dst + off + 32, m1, out1);
-        }
-    }
-}
-
-/* dequant16_vbmi and the row's inner part in the same pass: the words are hashed from the
- * register the lookup loaded (w * C = w * lo + ((w * hi) << 32), lanes reduced once per row) */
-VBMI static inline u64 dequant16_hash_vbmi(const uint8_t *src, uint16_t *dst, i64 n, const ByteTables *bt,
-                                          const uint32_t *lo, const uint32_t *hi) {
+VBMI static inline __attribute__((always_inline)) u64 row_lookup16_vbmi(const uint8_t *src, uint8_t *dst8, i64 n, const void *table,
+                                  const uint32_t *lo, const uint32_t *hi) {
+    const ByteTables *bt = (const ByteTables *)table;
+    uint16_t *dst = (uint16_t *)dst8;
     const __m512i first = _mm512_set_epi64(11, 10, 3, 2, 9, 8, 1, 0);
     const __m512i second = _mm512_set_epi64(15, 14, 7, 6, 13, 12, 5, 4);
     __m512i s64 = _mm512_setzero_si512(), s32 = _mm512_setzero_si512();
     for (i64 off = 0; off < n; off += 64) {
         const i64 left = n - off;
         const __mmask64 m = left >= 64 ? ~(__mmask64)0 : (((__mmask64)1 << left) - 1);
-        const __mmask16 mw = left >= 64 ? (__mmask16)0xFFFF : (__mmask16)(((unsigned)1 << (left / 4)) - 1);
         const __m512i x = _mm512_maskz_loadu_epi8(m, src + off);
-        const __m512i clo = _mm512_maskz_loadu_epi32(mw, lo + off / 4);
-        const __m512i chi = _mm512_maskz_loadu_epi32(mw, hi + off / 4);
-        s64 = _mm512_add_epi64(s64, _mm512_mul_epu32(x, clo));
-        s64 = _mm512_add_epi64(s64, _mm512_mul_epu32(_mm512_srli_epi64(x, 32), _mm512_srli_epi64(clo, 32)));
-        s32 = _mm512_add_epi32(s32, _mm512_mullo_epi32(x, chi));
+        if (lo) {
+            const __mmask16 mw = left >= 64 ? (__mmask16)0xFFFF : (__mmask16)(((unsigned)1 << (left / 4)) - 1);
+            const __m512i clo = _mm512_maskz_loadu_epi32(mw, lo + off / 4);
+            const __m512i chi = _mm512_maskz_loadu_epi32(mw, hi + off / 4);
+            s64 = _mm512_add_epi64(s64, _mm512_mul_epu32(x, clo));
+            s64 = _mm512_add_epi64(s64, _mm512_mul_epu32(_mm512_srli_epi64(x, 32), _mm512_srli_epi64(clo, 32)));
+            s32 = _mm512_add_epi32(s32, _mm512_mullo_epi32(x, chi));
+        }
         const __mmask64 top = _mm512_movepi8_mask(x);
         const __m512i lo8 = _mm512_mask_blend_epi8(top, _mm512_permutex2var_epi8(bt->lo[0], x, bt->lo[1]),
                                                    _mm512_permutex2var_epi8(bt->lo[2], x, bt->lo[3]));
@@ -152,153 +112,84 @@ VBMI static inline u64 dequant16_hash_vbmi(const uint8_t *src, uint16_t *dst, i6
         const __m512i a = _mm512_unpacklo_epi8(lo8, hi8), b = _mm512_unpackhi_epi8(lo8, hi8);
         const __m512i out0 = _mm512_permutex2var_epi64(a, first, b);
         const __m512i out1 = _mm512_permutex2var_epi64(a, second, b);
-        if (left >= 64) {
-            _mm512_storeu_si512((void *)(dst + off), out0);
-            _mm512_storeu_si512((void *)(dst + off + 32), out1);
-        } else {
-            const __mmask32 m0 = left >= 32 ? ~(__mmask32)0 : (((__mmask32)1 << left) - 1);
-            const __mmask32 m1 = left > 32 ? (((__mmask32)1 << (left - 32)) - 1) : 0;
-            _mm512_mask_storeu_epi16(dst + off, m0, out0);
-            _mm512_mask_storeu_epi16(dst + off + 32, m1, out1);
-        }
+        const __mmask32 m0 = left >= 32 ? ~(__mmask32)0 : (((__mmask32)1 << left) - 1);
+        const __mmask32 m1 = left >= 64 ? ~(__mmask32)0 : left > 32 ? (((__mmask32)1 << (left - 32)) - 1) : 0;
+        _mm512_mask_storeu_epi16(dst + off, m0, out0);
+        _mm512_mask_storeu_epi16(dst + off + 32, m1, out1);
     }
+    if (!lo) return 0;
     const u64 s1 = (u64)_mm512_reduce_add_epi64(s64);
     const uint32_t s2 = (uint32_t)_mm512_reduce_add_epi32(s32);
     return s1 + ((u64)s2 << 32);
 }
-
-VBMI static i64 gather_dequant16_vbmi(const uint8_t *src, i64 slot_stride, i64 row_bytes, i64 num_slots,
-                                      const i64 *rows, i64 n, const uint16_t *table, uint8_t *out,
-                                      const uint32_t *lo, const uint32_t *hi, u64 *acc);
-static int have_vbmi(void) {
-    static int known = -1;
-    if (known < 0) {
-        __builtin_cpu_init();
-        known = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-                __builtin_cpu_supports("avx512vbmi");
-    }
-    return known;
-}
 #endif
-
-#define PREFETCH_AHEAD 8
-#define ROW_COPY_WORDS 1024 /* rows up to 4 KiB are copied once before their scalar lookup */
 
 /* gather_rows(src, slot_stride, row_bytes, num_slots, rows, n, table, elem, out, lo, hi, acc)
  *
  * out[i] = the row of slot rows[i] (row_bytes bytes from src + slot * slot_stride), copied
  * (table 0) or looked up byte by byte in a 256-entry table of `elem`-byte values (FP8 -> the
- * query dtype, scale included). With lo/hi (the buffer's word constants, row_bytes / 4 each;
- * hi 0: every constant is below 2**32) acc[i] += inner part of the row as read. A slot outside [0, num_slots) is not read: its row
+ * query dtype, scale included). With lo/hi (the buffer's word constants, row_bytes / 4 each)
+ * acc[i] += inner part of the row as read. A slot outside [0, num_slots) is not read: its row
  * is zeros and acc[i] gets OUT_OF_POOL. Returns the number of such rows. */
-CLONES static i64 gather_rows_into(const uint8_t *src, i64 slot_stride, i64 row_bytes, i64 num_slots,
-                                   const i64 *rows, i64 n, const uint8_t *table, i64 elem,
-                                   uint8_t *out, const uint32_t *lo, const uint32_t *hi, u64 *acc) {
-    const i64 words = row_bytes / 4, out_row = table ? row_bytes * elem : row_bytes;
-    i64 bad = 0;
-    for (i64 i = 0; i < n; i++) {
-        if (i + PREFETCH_AHEAD < n) {
-            i64 s = rows[i + PREFETCH_AHEAD];
-            if (s >= 0 && s < num_slots) {
-                const uint8_t *p = src + s * slot_stride;
-                for (i64 off = 0; off < row_bytes; off += 64) __builtin_prefetch(p + off, 0, 3);
-            }
-        }
-        const i64 slot = rows[i];
-        uint8_t *dst = out + i * out_row;
-        if (slot < 0 || slot >= num_slots) {
-            memset(dst, 0, (size_t)out_row);
-            if (acc) acc[i] += OUT_OF_POOL;
-            bad++;
-            continue;
-        }
-        const uint8_t *row = src + slot * slot_stride;
-        if (!table) { /* hashed from the copy attention reads: no window between check and use */
-            memcpy(dst, row, (size_t)row_bytes);
-            if (acc) acc[i] += hi ? row_inner((const uint32_t *)dst, lo, hi, words)
-                                  : row_inner_lo((const uint32_t *)dst, lo, words);
-            continue;
-        }
-        uint32_t tmp[ROW_COPY_WORDS]; /* the row once, then hashed and looked up from this copy */
-        if (row_bytes <= (i64)sizeof(tmp)) {
-            memcpy(tmp, row, (size_t)row_bytes);
-            row = (const uint8_t *)tmp;
-        }
-        if (acc) acc[i] += hi ? row_inner((const uint32_t *)row, lo, hi, words)
-                              : row_inner_lo((const uint32_t *)row, lo, words);
-        if (elem == 2) {
-            const uint16_t *t = (const uint16_t *)table;
-            uint16_t *d = (uint16_t *)dst;
-            for (i64 j = 0; j < row_bytes; j++) d[j] = t[row[j]];
-        } else {
-            const uint32_t *t = (const uint32_t *)table;
-            uint32_t *d = (uint32_t *)dst;
-            for (i64 j = 0; j < row_bytes; j++) d[j] = t[row[j]];
-        }
-    }
+#define GATHER_LOOP(ROW)                                                                           \
+    i64 bad = 0;                                                                                   \
+    for (i64 i = 0; i < n; i++) {                                                                  \
+        if (i + PREFETCH_AHEAD < n) {                                                              \
+            i64 s = rows[i + PREFETCH_AHEAD];                                                      \
+            if (s >= 0 && s < num_slots) {                                                         \
+                const uint8_t *p = src + s * slot_stride;                                          \
+                for (i64 off = 0; off < row_bytes; off += 64) __builtin_prefetch(p + off, 0, 3);   \
+            }                                                                                      \
+        }                                                                                          \
+        const i64 slot = rows[i];                                                                  \
+        uint8_t *dst = out + i * out_row;                                                          \
+        if (slot < 0 || slot >= num_slots) {                                                       \
+            memset(dst, 0, (size_t)out_row);                                                       \
+            if (acc) acc[i] += OUT_OF_POOL;                                                        \
+            bad++;                                                                                 \
+            continue;                                                                              \
+        }                                                                                          \
+        const u64 inner = ROW(src + slot * slot_stride, dst, row_bytes, table, lo, hi);            \
+        if (acc) acc[i] += inner;                                                                  \
+    }                                                                                              \
     return bad;
-}
-
+#define GATHER_ARGS                                                                                \
+    const uint8_t *src, i64 slot_stride, i64 row_bytes, i64 num_slots, const i64 *rows, i64 n,     \
+        const void *table, i64 out_row, uint8_t *out, const uint32_t *lo, const uint32_t *hi,      \
+        u64 *acc
+CLONES static i64 gather_copy(GATHER_ARGS) { GATHER_LOOP(row_copy) }
+CLONES static i64 gather_lookup16(GATHER_ARGS) { GATHER_LOOP(row_lookup16) }
+CLONES static i64 gather_lookup32(GATHER_ARGS) { GATHER_LOOP(row_lookup32) }
 #if defined(__x86_64__)
-/* gather_rows_into for an FP8 -> 16-bit table, the lookup vectorized (same results) */
-VBMI static i64 gather_dequant16_vbmi(const uint8_t *src, i64 slot_stride, i64 row_bytes, i64 num_slots,
-                                      const i64 *rows, i64 n, const uint16_t *table, uint8_t *out,
-                                      const uint32_t *lo, const uint32_t *hi, u64 *acc) {
-    ByteTables bt;
-    byte_tables(table, &bt);
-    const i64 words = row_bytes / 4, out_row = row_bytes * 2;
-    i64 bad = 0;
-    for (i64 i = 0; i < n; i++) {
-        if (i + PREFETCH_AHEAD < n) {
-            i64 s = rows[i + PREFETCH_AHEAD];
-            if (s >= 0 && s < num_slots) {
-                const uint8_t *p = src + s * slot_stride;
-                for (i64 off = 0; off < row_bytes; off += 64) __builtin_prefetch(p + off, 0, 3);
-            }
-        }
-        const i64 slot = rows[i];
-        uint8_t *dst = out + i * out_row;
-        if (slot < 0 || slot >= num_slots) {
-            memset(dst, 0, (size_t)out_row);
-            if (acc) acc[i] += OUT_OF_POOL;
-            bad++;
-            continue;
-        }
-        const uint8_t *row = src + slot * slot_stride;
-        if (acc && hi) {
-            acc[i] += dequant16_hash_vbmi(row, (uint16_t *)dst, row_bytes, &bt, lo, hi);
-            continue;
-        }
-        if (acc) acc[i] += row_inner_lo((const uint32_t *)row, lo, words);
-        dequant16_vbmi(row, (uint16_t *)dst, row_bytes, &bt);
-    }
-    return bad;
-}
+VBMI static i64 gather_lookup16_vbmi(GATHER_ARGS) { GATHER_LOOP(row_lookup16_vbmi) }
 #endif
+typedef i64 (*GatherFn)(GATHER_ARGS);
 
 static PyObject *gather_rows(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     i64 a[12];
     if (ints(args, nargs, 12, a)) return NULL;
-    if (a[2] % 4 != 0 || (a[9] != 0) != (a[11] != 0) || (a[6] != 0 && a[7] != 2 && a[7] != 4)) {
+    const int hashed = a[9] != 0;
+    if (a[2] % 4 != 0 || hashed != (a[10] != 0) || hashed != (a[11] != 0) ||
+        (a[6] != 0 && a[7] != 2 && a[7] != 4)) {
         PyErr_SetString(PyExc_ValueError, "gather_rows: bad row size, constants or table");
         return NULL;
     }
-    i64 bad;
+    GatherFn gather = a[6] == 0 ? gather_copy : a[7] == 2 ? gather_lookup16 : gather_lookup32;
+    const void *table = PTR(const void *, a[6]);
+    const i64 out_row = a[6] == 0 ? a[2] : a[2] * a[7];
 #if defined(__x86_64__)
+    ByteTables bt;
     if (a[6] != 0 && a[7] == 2 && have_vbmi()) {
-        Py_BEGIN_ALLOW_THREADS
-        bad = gather_dequant16_vbmi(PTR(const uint8_t *, a[0]), a[1], a[2], a[3], PTR(const i64 *, a[4]),
-                                    a[5], PTR(const uint16_t *, a[6]), PTR(uint8_t *, a[8]),
-                                    PTR(const uint32_t *, a[9]), PTR(const uint32_t *, a[10]),
-                                    PTR(u64 *, a[11]));
-        Py_END_ALLOW_THREADS
-        return PyLong_FromLongLong(bad);
+        byte_tables(PTR(const uint16_t *, a[6]), &bt);
+        gather = gather_lookup16_vbmi;
+        table = &bt;
     }
 #endif
+    i64 bad;
     Py_BEGIN_ALLOW_THREADS
-    bad = gather_rows_into(PTR(const uint8_t *, a[0]), a[1], a[2], a[3], PTR(const i64 *, a[4]), a[5],
-                           PTR(const uint8_t *, a[6]), a[7], PTR(uint8_t *, a[8]),
-                           PTR(const uint32_t *, a[9]), PTR(const uint32_t *, a[10]), PTR(u64 *, a[11]));
+    bad = gather(PTR(const uint8_t *, a[0]), a[1], a[2], a[3], PTR(const i64 *, a[4]), a[5], table, out_row,
+                 PTR(uint8_t *, a[8]), PTR(const uint32_t *, a[9]), PTR(const uint32_t *, a[10]),
+                 PTR(u64 *, a[11]));
     Py_END_ALLOW_THREADS
     return PyLong_FromLongLong(bad);
 }
