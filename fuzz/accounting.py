@@ -18,6 +18,14 @@ that sits on the free list would read whatever its next owner writes: a victim a
 that reads wrong KV in a forward writes KV computed from it from then on: those rows are wrong
 for anyone who adopts them later (a prefix-cache hit on them), and are followed too.
 
+Tokens from wrong KV: a victim that reads wrong KV in a forward computes that forward's token, and
+every later one, from it (``Watch.spans``: from that token on). Until it throws its KV away: a
+request whose forward starts below positions it already wrote is prefilled again from its prompt
+and the output tokens it kept (kvguard's recompute of a request whose KV it found bad, or SGLang's
+retraction), into fresh rows, with fresh reads. The tokens from the kept count on were dropped and
+are computed again: its span closes there, and it is no longer poisoned (what it writes from then
+on is its own KV; a later read of wrong KV opens a new span).
+
 The plugin runs this inside the scheduler, before and after each forward; nothing here asks the
 guard anything.
 """
@@ -169,6 +177,23 @@ def _computes(batch) -> dict[int, int]:
     }
 
 
+def extend_starts(batch) -> dict[str, int]:
+    """rid -> first position this forward writes, for every request an extend forward prefills
+    (a mixed batch's decodes, one token each, left out)."""
+    if batch is None or not batch.reqs or batch.prefix_lens is None:
+        return {}
+    mode = batch.forward_mode
+    if not mode.is_extend():
+        return {}
+    mixed = getattr(mode, "is_mixed", lambda: False)()
+    lens = batch.extend_lens if batch.extend_lens is not None else [None] * len(batch.reqs)
+    return {
+        req.rid: int(start)
+        for req, start, n in zip(batch.reqs, batch.prefix_lens, lens)
+        if not (mixed and n == 1)
+    }
+
+
 class Scan:
     """One step: which live requests hold which watched slots, what the batch writes, which
     watched pages sit on the free list."""
@@ -177,12 +202,14 @@ class Scan:
         self.ps = sched.token_to_kv_pool_allocator.page_size
         self.tokens = Tokens()
         self.writes: list[tuple[object, int, int]] = []
+        self.starts: dict[str, int] = {}  # rid -> first position an extend forward writes
         self.holders: list[Holder] = []
         self.by_page: dict[int, list[Holder]] = {}  # watched page -> its live holders
         self.free: set[int] = set()
         if not pages:
             return  # nothing watched: a step costs the plugin nothing more
         self.writes = batch_writes(batch)
+        self.starts = extend_starts(batch)
         watched = torch.tensor(sorted(pages), dtype=torch.int64)
         in_batch = {id(r) for r in (batch.reqs if batch is not None else [])}
         computes = _computes(batch)
@@ -226,6 +253,12 @@ class Watch:
         # rid -> index of the first output token a victim computed from wrong KV (read in a
         # forward that computes that token): tokens from there on came from wrong bytes
         self.read_at: dict[str, int] = {}
+        # rid -> [[first token computed from wrong KV, first token computed again after its KV
+        # was thrown away (None: not yet)], ...]: the tokens [from, to) came from wrong bytes
+        self.spans: dict[str, list[list]] = {}
+        # rid -> [[step, output tokens kept], ...]: prefilled again after reading wrong KV
+        self.restarts: dict[str, list[list[int]]] = {}
+        self._high: dict[str, int] = {}  # poisoned rid -> positions it has written (0..high-1)
         self.exposed: set[str] = set()
         self.transient: dict[int, Content] = {}  # what this forward's readers see (in flight)
         # rid -> writer whose writes into these pages are bad (a write firewall drops them): the
@@ -249,7 +282,8 @@ class Watch:
     # before the forward
     def before_forward(self, scan: Scan, pool, step: int) -> bool:
         """Follow this forward's writes into watched slots, then judge every holder. True when
-        the victim or exposed set grew."""
+        the victim or exposed set grew (or a victim's tokens from wrong KV changed)."""
+        restarted = self._restarted(scan, step)
         self._checks = []
         for req, pos, slot in scan.writes:
             if slot // self.ps in self.pages and req.rid not in self.poisoned:
@@ -264,7 +298,26 @@ class Watch:
         grew = self._judge(scan, step)
         self._poison_writes(scan)
         self.transient = {}
-        return grew
+        return grew or restarted
+
+    def _restarted(self, scan: Scan, step: int) -> bool:
+        """A poisoned request prefilled from below the positions it already wrote threw its KV
+        away (kvguard's recompute, SGLang's retraction) and computes it again from its prompt
+        and the output tokens it kept: the tokens from there on are computed again, from fresh
+        reads. Its span of tokens from wrong KV closes at the kept count."""
+        out = False
+        for rid, start in scan.starts.items():
+            if rid not in self.poisoned or start >= self._high.get(rid, 0):
+                continue  # not poisoned, or the next chunk of the same prefill
+            req = self.poisoned.pop(rid)
+            self._high.pop(rid, None)
+            kept = len(req.output_ids)
+            spans = self.spans.get(rid)
+            if spans and spans[-1][1] is None:
+                spans[-1][1] = kept
+            self.restarts.setdefault(rid, []).append([step, kept])
+            out = True
+        return out
 
     def after_forward(self, scan: Scan, pool, step: int) -> bool:
         """Foreign writes that landed now hold their writer's KV; judge this forward's readers
@@ -290,11 +343,12 @@ class Watch:
         later (a prefix-cache hit on it): watched from now on."""
         for req, pos, slot in scan.writes:
             if req.rid in self.poisoned:
+                self._high[req.rid] = max(self._high.get(req.rid, 0), pos + 1)
                 self.pages.add(slot // self.ps)
                 self.contents[slot] = Written(namespace(req), pos, req, poisoned=True)
 
     def _judge(self, scan: Scan, step: int) -> bool:
-        before = (len(self.victims), len(self.exposed), len(self.read_at))
+        before = (len(self.victims), len(self.exposed), self._span_count())
         exposing = self.is_open(step)
         mine_of: dict[int, Holder] = {}
         for page in self.pages:
@@ -310,7 +364,10 @@ class Watch:
                 self._running[h.rid] = h.req
             elif exposing:
                 self.exposed.add(h.rid)
-        return (len(self.victims), len(self.exposed), len(self.read_at)) != before
+        return (len(self.victims), len(self.exposed), self._span_count()) != before
+
+    def _span_count(self) -> int:
+        return sum(len(s) for s in self.spans.values())
 
     def _harm(self, h: Holder, mine: list[tuple[int, int]], scan: Scan) -> str | None:
         """Why this holder reads (or will read) wrong KV through a watched page; None if not."""
@@ -329,6 +386,9 @@ class Watch:
                     self.poisoned.setdefault(h.rid, h.req)  # it reads it in this forward
                     if h.computes is not None:
                         self.read_at.setdefault(h.rid, h.computes)
+                        spans = self.spans.setdefault(h.rid, [])
+                        if not spans or spans[-1][1] is not None:
+                            spans.append([h.computes, None])
                 return "read wrong KV"
             if verdict == FOREIGN:
                 why = why or "read another tenant's KV"

@@ -21,6 +21,11 @@ per-step budget; the plugin logs how many KV tokens steps read (``read_sets``).
 
 With ``tenant_isolation`` every server runs with ``--kvguard-tenant-isolation`` and the workload
 carries tenants (prefix-cache namespaces); the ``cross_tenant`` class needs both.
+
+``on_violation``: what the guarded servers do with a request whose KV they found bad
+(``KVGUARD_ON_VIOLATION``): ``recompute`` (heal it: released, prefilled again, decoded on; modes
+``verified`` and ``paranoid`` only, the others abort) or ``abort``. The oracle scores a healed
+request like any other: its output, streamed tokens included, must be the clean run's.
 """
 
 from __future__ import annotations
@@ -41,11 +46,13 @@ from kvguard.fuzz.oracle import (
     guard_violations,
     injections_from_log,
     read_jsonl,
+    recomputes_of,
 )
 from kvguard.fuzz.workload import Wave
 from kvguard.serve.child import ServeProcess, ServerDied
 
 MODES = ("off", "tags", "sampled", "paranoid", "verified", "default", "canary")
+ON_VIOLATION = ("recompute", "abort")  # KVGUARD_ON_VIOLATION of the guarded servers
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,6 +83,8 @@ class Settings:
     # serving does, and at the default (1% of a 2,048-token pool: one page) every detection
     # would fail the guard closed (/health 503) until its victim is released
     quarantine_cap: float | None = 0.25
+    # KVGUARD_ON_VIOLATION of the guarded servers: heal a request whose KV went bad, or abort it
+    on_violation: str = "recompute"
 
 
 @dataclass(slots=True)
@@ -151,6 +160,8 @@ class Runner:
             env["SGLANG_KV_CANARY_RING_CAPACITY"] = (
                 "65536"  # log every violation, not the first 1024
             )
+        if run.mode not in UNGUARDED:  # heal or abort (modes off and canary run no guard)
+            env["KVGUARD_ON_VIOLATION"] = self.s.on_violation
         if self.s.context_length:  # a longer context than the model's own (RoPE extrapolates)
             env["SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN"] = "1"
         srv = ServeProcess(
@@ -180,6 +191,8 @@ class Runner:
             (run.dir / name).unlink(missing_ok=True)
         res = run.result
         res.update(mode=mode, page_size=page_size, deaths=[], waves=[])
+        if mode not in UNGUARDED:
+            res["on_violation"] = self.s.on_violation
         try:
             srv = self._start(run)
         except ServerDied as e:
@@ -334,7 +347,8 @@ def _guard_status(srv: ServeProcess) -> dict:
         status = status[0] if status else None
     if not isinstance(status, dict):
         return {"active": False}
-    return {k: status.get(k) for k in ("active", "mode", "sweep_tokens_per_step") if k in status}
+    keys = ("active", "mode", "sweep_tokens_per_step", "on_violation", "recompute_budget")
+    return {k: status.get(k) for k in keys if k in status}
 
 
 def judge(
@@ -352,11 +366,12 @@ def judge(
     log_bytes = (run.dir / "server.log").read_bytes()
     log_text = log_bytes.decode(errors="replace")
     server_events = read_jsonl(run.dir / "server.log")
+    violations = guard_violations(server_events)
     records, injections = classify(
         reference,
         injected,
         injections,
-        guard_violations(server_events),
+        violations,
         tie_margin,
         partial=run.partial or partial_reference_of(clean),
     )
@@ -368,6 +383,10 @@ def judge(
     if run.mode == "canary":
         _canary_attribution(res, injections, log_bytes)
     res["clean_guard_aborts"] = [r.rid for r in clean if r.violation]
+    # healed in the clean pass (nothing injected yet): false recomputes, reported
+    res["clean_guard_recomputes"] = [
+        r.rid for r in clean if recomputes_of(violations.get(r.rid) or []) and not r.violation
+    ]
     res["memory_leak_warnings"] = log_text.count("memory leak detected")
     res["guard_memory_check_warnings"] = sum(
         1 for e in server_events if e.get("event") == "kvguard_engine_memory_check_after_violations"

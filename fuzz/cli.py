@@ -11,6 +11,9 @@ the default mode, and read sets past the sampled budget::
 
     kvguard-fuzz --seed 1 --guard-mode default --off-arm --stream --large-reads \\
         --classes exponent_flip,in_forward_flip,bit_flip --requests 100 --injections 16
+
+Guarded servers heal a request whose KV went bad (``--on-violation recompute``, the default:
+modes verified and paranoid) or abort it (``--on-violation abort``).
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ import time
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
-from kvguard.fuzz.campaign import MODES, Runner, Settings
+from kvguard.fuzz.campaign import MODES, ON_VIOLATION, Runner, Settings
 from kvguard.fuzz.injectors import INJECTORS
 from kvguard.fuzz.oracle import TIE_MARGIN, UNGUARDED, compare
 from kvguard.fuzz.report import write_all
@@ -156,6 +159,14 @@ def parser() -> argparse.ArgumentParser:
         help="--kvguard-quarantine-cap of the guarded servers (default 0.25: injections "
         "quarantine pages far faster than serving does; 0: kvguard-serve's own default)",
     )
+    p.add_argument(
+        "--on-violation",
+        choices=ON_VIOLATION,
+        default="recompute",
+        help="what the guarded servers do with a request whose KV they found bad "
+        "(KVGUARD_ON_VIOLATION): recompute it (heal: modes verified and paranoid; the others "
+        "abort) or abort it (default: recompute)",
+    )
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument(
         "--rejudge",
@@ -229,6 +240,7 @@ def settings_from(args: argparse.Namespace) -> Settings:
         long_tokens=long_tokens,
         context_length=args.context_length,
         quarantine_cap=args.quarantine_cap or None,
+        on_violation=args.on_violation,
     )
 
 
@@ -441,6 +453,8 @@ def main(argv: list[str] | None = None) -> int:
     command = "kvguard-fuzz " + shlex.join(sys.argv[1:] if argv is None else argv)
     report = run_campaign(s, progress=not args.no_progress, command=command)
     print((s.out / "report.md").resolve())
+    for line in summary_lines(report):
+        print(line)
     off = (report.get("sensitivity") or {}).get("off_arm")
     if off and not off["measuring"]:
         print(
@@ -449,6 +463,24 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
     return 1 if _failed(report) else 0
+
+
+def summary_lines(report: dict) -> list[str]:
+    """One line per configuration: what its guard did on a violation, and to how many."""
+    out = []
+    for c in report["configs"]:
+        sm, req = c["summary"], c["summary"]["requests"]
+        action = c.get("on_violation") or "no guard"
+        if c["mode"] in UNGUARDED:
+            action = "no guard"
+        out.append(
+            f"{c['mode']} ps{c['page_size']} (on violation: {action}): "
+            f"{sm.get('requests_recomputed', 0)} requests recomputed "
+            f"({sm.get('recomputes', 0)} recomputes), {req['detected'] + req['collateral']} "
+            f"aborted by the guard, {req['escaped']} escaped, "
+            f"{sm.get('client_visible_errors', 0)} client-visible errors"
+        )
+    return out
 
 
 def _failed(report: dict) -> bool:

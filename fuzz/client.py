@@ -44,6 +44,9 @@ class Response:
     # sent both; SGLang never does this, and the oracle scores both)
     stream_rewrites: list[list[int]] | None = None
     stream_end: str | None = None  # "done", "abort", "error", "dropped" (by the client), "cut"
+    # chunks that took back tokens already sent: counted fewer output tokens than an earlier
+    # chunk (a token that left and was then dropped, e.g. by a recompute that let it out)
+    stream_withdrawn: int = 0
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -140,10 +143,13 @@ class StreamFold:
     (``--incremental-streaming-output``). A chunk that extends what was sent is read as the
     former; else one whose ``completion_tokens`` counts it on top of what was sent, as the
     latter; else it restates earlier positions, and each position it restates with another
-    token is a rewrite (the client was sent both tokens there)."""
+    token is a rewrite (the client was sent both tokens there). A chunk that counts fewer output
+    tokens than an earlier one (``completion_tokens``, or a shorter cumulative list) took back
+    tokens the client was sent (``stream_withdrawn``); the client keeps them."""
 
     def __init__(self, out: Response):
         self.out = out
+        self.done = 0  # the most output tokens a chunk counted so far
         out.stream_ids, out.stream_top2, out.stream_chunks = [], [], []
         out.stream_rewrites = []
 
@@ -157,6 +163,13 @@ class StreamFold:
         top = [_top2(pos) for pos in meta.get("output_top_logprobs") or []]
         done = meta.get("completion_tokens")
         before = len(sent)
+        reason = meta.get("finish_reason")
+        aborted = isinstance(reason, dict) and reason.get("type") == "abort"
+        shorter = bool(ids) and len(ids) < before and ids == sent[: len(ids)] and done == len(ids)
+        if (isinstance(done, int) and done < self.done and not aborted) or shorter:
+            out.stream_withdrawn += 1
+        if isinstance(done, int):
+            self.done = max(self.done, done)
         if not ids:
             offset = before  # nothing new (an abort chunk may carry no tokens)
         elif ids[:before] == sent and (done is None or done == len(ids) or not before):

@@ -9,10 +9,22 @@ was sent before it dropped them already differed from the clean pass's: ``escape
   ``accounting``) that completed with the reference output, token for token: the wrong bytes
   changed no greedy token this time. Not an escape, not nothing either;
 
+- ``recomputed``: a victim of an injection that kvguard healed instead of aborting (its KV
+  released, prefilled again from its prompt and the tokens it kept, decoded on: one
+  ``kv_integrity_violation`` event with ``action: recompute`` per time) and that completed with
+  the reference output, token for token, every streamed token included;
+- ``recomputed_collateral``: the same for a request that was only exposed to an injection, and
+  ``false_recompute`` for one no injection touched: reported, not errors (the client saw
+  nothing but latency). A recomputed request whose output differs is scored like any other
+  (``escaped``, ``near_tie``); one recomputed and then aborted (its budget spent) is scored as
+  an abort (``detected``, ``collateral``, ``false_abort``);
+
 Besides its outcome, a victim's record counts ``tokens_from_wrong_kv``: tokens that reached its
 client (streamed, or in its completed output) although the forward that computed them read wrong
-KV bytes (the accounting names the first such token). Same or not, they left unverified: a guard
-that checks what attention read before a step's tokens go out sends none.
+KV bytes (the accounting names each span of such tokens: from the first token a forward that read
+wrong KV computed, to where a recompute or retraction began computing them again from fresh KV;
+tokens it dropped and computed again never left). Same or not, they left unverified: a guard that
+checks what attention read before a step's tokens go out sends none.
 - ``detected``: aborted by kvguard and a victim of an injection, every token it was sent before
   the abort (streamed) the reference's;
 - ``collateral``: aborted by kvguard, a victim of no injection, but exposed to one in the
@@ -40,7 +52,8 @@ that checks what attention read before a step's tokens go out sends none.
 
 Injection outcomes: ``escaped`` (some victim's wrong token reached its client: a completed wrong
 output, or a streamed token before the abort), ``detected`` (some victim aborted by kvguard, and
-no victim's wrong token reached a client), ``refused`` (the guard refused the bad prefix-cache
+no victim's wrong token reached a client), ``recomputed`` (some victim recomputed by kvguard, none
+aborted, none escaped), ``refused`` (the guard refused the bad prefix-cache
 hit itself, so no request read it: ``cross_tenant``), ``near_tie`` (a victim's output differs
 only from a near-tie step on), ``exposed`` (its victims completed with the reference output: the
 corruption changed no greedy token, or the guard repaired it before they read it; called
@@ -48,8 +61,11 @@ corruption changed no greedy token, or the guard repaired it before they read it
 client or failed), ``no_victim`` (the KV it touched was never read by a request still running),
 ``not_landed`` (a stale write that never found a reader; an in-forward flip whose layer never
 ran), ``skipped`` (no fitting moment within max_tries steps), ``not_run`` (still queued when the
-configuration ended), ``injector_error``. Each injection also counts its aborts: victims
-aborted, and collateral (requests only exposed to it, a victim of no injection, aborted).
+configuration ended), ``injector_error``. Each injection also counts what the guard did to the
+requests charged to it (each victim, or request only exposed, is charged to one injection):
+victims aborted, collateral (requests only exposed to it, a victim of no injection, aborted),
+victims and exposed requests recomputed (healed: not aborted in the end), recomputes, escaped
+requests, and client-visible errors (guard aborts and any other error a client saw).
 """
 
 from __future__ import annotations
@@ -63,9 +79,16 @@ from pathlib import Path
 from kvguard.fuzz.client import Response
 
 TIE_MARGIN = 0.1  # nats between the two best tokens: below this a flip may be rounding noise
+# a leak class's victim the guard recomputed at most this many steps after it became one was
+# healed before it read another tenant's KV (the plugin judges it before that forward, the guard
+# flags it in that forward's checks: the same step, or the next by the other counter)
+LEAK_HEAL_STEPS = 1
 REQUEST_OUTCOMES = (
     "clean",
     "exposed",
+    "recomputed",
+    "recomputed_collateral",
+    "false_recompute",
     "detected",
     "collateral",
     "escaped",
@@ -77,6 +100,7 @@ REQUEST_OUTCOMES = (
 )
 INJECTION_OUTCOMES = (
     "detected",
+    "recomputed",
     "refused",
     "escaped",
     "near_tie",
@@ -118,6 +142,8 @@ def injections_from_log(events: list[dict], planned: list[dict]) -> dict[int, di
             "exposed": {},
             "why": {},
             "read_at": {},  # victim -> first output token it computed from wrong KV
+            "wrong_kv": {},  # victim -> [[from, to or None], ...]: tokens from wrong KV
+            "restarts": {},  # victim -> [[step, tokens kept], ...]: prefilled again after
             "detail": None,
             "pending": False,
             "bad_writes": [0, 0],  # writes into pages the writer does not own: landed, made
@@ -139,6 +165,7 @@ def injections_from_log(events: list[dict], planned: list[dict]) -> dict[int, di
         elif kind == "unfired":  # an in-forward flip whose layer never ran: nothing changed
             rec["victims"], rec["exposed"], rec["why"] = {}, {}, {}
             rec["pending"], rec["unfired"], rec["read_at"] = True, True, {}
+            rec["wrong_kv"], rec["restarts"] = {}, {}
             rec["detail"] = {**(rec["detail"] or {}), **(ev.get("detail") or {})}
         elif kind in ("injected", "victims", "landed", "fired") and not rec.get("unfired"):
             if kind == "injected":
@@ -154,18 +181,53 @@ def injections_from_log(events: list[dict], planned: list[dict]) -> dict[int, di
                 rec["why"].setdefault(rid, why)
             for rid, at in (ev.get("read_at") or {}).items():
                 rec["read_at"].setdefault(rid, at)
+            for key in ("wrong_kv", "restarts"):  # each event has the whole state: latest wins
+                rec[key].update(ev.get(key) or {})
     for rec in out.values():  # a request first exposed, later a victim, is a victim
         rec["exposed"] = {r: s for r, s in rec["exposed"].items() if r not in rec["victims"]}
     return out
 
 
-def guard_violations(server_log_events: list[dict]) -> dict[str, dict]:
-    """kvguard's ``kv_integrity_violation`` log events by request id (first one wins)."""
-    out: dict[str, dict] = {}
+def guard_violations(server_log_events: list[dict]) -> dict[str, list[dict]]:
+    """kvguard's ``kv_integrity_violation`` log events by request id, every one in log order
+    (a healed request has one per recompute, and perhaps a final abort; an event logged by
+    several ranks counts once)."""
+    out: dict[str, list[dict]] = {}
+    seen: set = set()
     for ev in server_log_events:
         if ev.get("event") == "kv_integrity_violation" and ev.get("request"):
-            out.setdefault(ev["request"], ev)
+            vid = ev.get("violation_id")
+            if vid is not None:
+                if (ev["request"], vid) in seen:
+                    continue
+                seen.add((ev["request"], vid))
+            out.setdefault(ev["request"], []).append(ev)
     return out
+
+
+def recomputes_of(events: list[dict]) -> int:
+    """How many times the guard recomputed a request (its events with action ``recompute``;
+    logs from before healing have no action: each event an abort)."""
+    return sum(1 for ev in events if ev.get("action") == "recompute")
+
+
+def wrong_kv_spans(inj: dict, rid: str) -> list[list]:
+    """[[from, to or None], ...]: the output tokens of ``rid`` computed from wrong KV because of
+    the injection (``to``: where a recompute or retraction began computing them again; None:
+    never). Logs from before spans were kept name the first token only (``read_at``)."""
+    spans = (inj.get("wrong_kv") or {}).get(rid)
+    if spans is not None:
+        return spans
+    at = (inj.get("read_at") or {}).get(rid)
+    return [] if at is None else [[at, None]]
+
+
+def tokens_in_spans(spans: list[list], sent: int) -> int:
+    """How many of the first ``sent`` output tokens fall in one of ``spans`` (each counted once)."""
+    hit: set[int] = set()
+    for lo, hi in spans:
+        hit.update(range(lo, sent if hi is None else min(hi, sent)))
+    return len(hit)
 
 
 Output = tuple  # (output token ids, per-token [logprob1, id1, logprob2, id2] or None)
@@ -235,13 +297,15 @@ def classify(
     reference: dict[str, Output],
     responses: list[Response],
     injections: dict[int, dict],
-    violations: dict[str, dict],
+    violations: dict[str, list[dict]] | dict[str, dict],
     tie_margin: float = TIE_MARGIN,
     partial: dict[str, Output] | None = None,
 ) -> tuple[list[dict], dict]:
     """Per-request records and per-injection outcomes (the latter updated in ``injections``).
     ``reference``: the clean pass's complete outputs; ``partial``: what the clean pass's streams
-    that their client dropped were sent (the reference of the same drop in this pass)."""
+    that their client dropped were sent (the reference of the same drop in this pass);
+    ``violations``: the guard's events per request (``guard_violations``; one event alone is
+    read as a list of one)."""
     victim_of: dict[str, list[int]] = defaultdict(list)
     exposed_to: dict[str, list[int]] = defaultdict(list)
     for inj in injections.values():
@@ -254,7 +318,22 @@ def classify(
         ids = victim_of.get(r.rid, [])
         ref = reference.get(r.key)  # (output ids, top-2 logprobs) of the clean pass
         guard_abort = r.violation is not None
-        leaked = any(injections[i]["cls"] in LEAK_CLASSES for i in ids)
+        evs = violations.get(r.rid) or []
+        if isinstance(evs, dict):
+            evs = [evs]
+        recomputes = recomputes_of(evs)
+        first_step = next((ev["step"] for ev in evs if isinstance(ev.get("step"), int)), None)
+        # a leak class's victim completed on another tenant's KV, unless the guard recomputed it
+        # (from its own KV) before that read: by the step it became that injection's victim
+        leaked = any(
+            injections[i]["cls"] in LEAK_CLASSES
+            and not (
+                recomputes
+                and first_step is not None
+                and first_step <= (injections[i]["victims"].get(r.rid) or 0) + LEAK_HEAL_STEPS
+            )
+            for i in ids
+        )
         where: dict = {}
         # a streamed request: was any token it was sent (before an abort, a drop, or all of
         # them) not the reference's? Then the wrong token reached the client, whatever came next
@@ -282,7 +361,15 @@ def classify(
             outcome = "no_reference"
         else:
             outcome, where = compare(ref, (r.output_ids, r.top2), tie_margin)
-            if outcome == "clean" and ids:
+            if outcome == "clean" and recomputes:  # healed: recomputed, the reference output
+                outcome = (
+                    "recomputed"
+                    if ids
+                    else "recomputed_collateral"
+                    if exposed_to.get(r.rid)
+                    else "false_recompute"
+                )
+            elif outcome == "clean" and ids:
                 outcome = "exposed"  # read wrong KV bytes, served the reference tokens anyway
         rec = {
             "rid": r.rid,
@@ -295,55 +382,80 @@ def classify(
             "status": r.status,
             "guard_aborted": guard_abort,
             "violation": r.violation,
+            "recomputes": recomputes,
+            # what the client saw: an error (a guard abort, or any other failure); a request its
+            # own client dropped saw none it did not ask for
+            "client_error": guard_abort or outcome == "error",
             "latency_s": round(r.latency_s, 3),
             "prompt_tokens": r.prompt_tokens,
             "completion_tokens": r.completion_tokens,
             "cached_tokens": r.cached_tokens,
         }
-        wrong_from = [injections[i].get("read_at", {}).get(r.rid) for i in ids]
-        wrong_from = [n for n in wrong_from if n is not None]
-        if wrong_from:  # tokens computed from wrong KV that reached the client anyway
+        spans = [sp for i in ids for sp in wrong_kv_spans(injections[i], r.rid)]
+        if spans:  # tokens computed from wrong KV that reached the client anyway
             sent_n = len(sent or []) if r.streamed else 0
             if not r.streamed and not guard_abort and r.status == 200:
                 sent_n = len(r.output_ids or [])
-            rec["wrong_kv_from_token"] = min(wrong_from)
-            rec["tokens_from_wrong_kv"] = max(0, sent_n - min(wrong_from))
+            rec["wrong_kv_from_token"] = min(lo for lo, _ in spans)
+            # tokens computed from wrong KV and dropped by a recompute (or retraction) never
+            # left: only those below where it began computing them again count
+            rec["tokens_from_wrong_kv"] = tokens_in_spans(spans, sent_n)
+            if any(hi is not None for _, hi in spans):
+                rec["wrong_kv_spans"] = sorted(spans, key=lambda sp: sp[0])
+        restarts = [x for i in ids for x in (injections[i].get("restarts") or {}).get(r.rid, [])]
+        if restarts:
+            rec["restarts"] = sorted(restarts)
         if r.streamed:
             rec["streamed"] = True
             rec["tokens_sent"] = len(sent or [])
             rec["stream_end"] = r.stream_end
+            if r.stream_withdrawn:
+                rec["stream_withdrawn"] = r.stream_withdrawn
             if stream == "near_tie":
                 rec["stream_near_tie"] = swhere.get("first_diff")
         if outcome in ("escaped", "near_tie"):
             rec.update(where)
-        if outcome in ("error", "false_abort", "collateral") and r.error:
+        if (outcome in ("error", "false_abort", "collateral") or recomputes) and r.error:
             rec["error"] = r.error[:500]
-        ev = violations.get(r.rid)
-        if ev is not None:
-            rec["guard_step"], rec["guard_kinds"] = ev.get("step"), ev.get("kinds")
+        if evs:
+            rec["guard_step"] = first_step
+            rec["guard_kinds"] = sorted({k for e in evs for k in e.get("kinds") or []})
+            rec["guard_actions"] = [e.get("action", "abort") for e in evs]
             # did the guard find KV bytes that changed (a digest mismatch), or only a state it
             # distrusts (quarantined page, owner, epoch) over bytes that still verify?
             rec["guard_saw_changed_kv"] = any(
                 "digest" in pos.get("why", [])
-                for page in ev.get("pages") or []
+                for e in evs
+                for page in e.get("pages") or []
                 for pos in page.get("positions") or []
             )
-            lags = [  # from the step the corruption was made (the plugin's and the guard's
-                # step counters both count forward passes from server start)
-                ev["step"] - injections[i]["at_step"]
+            lags = [  # from the step the corruption was made to the first flag (the plugin's
+                # and the guard's step counters both count forward passes from server start)
+                first_step - injections[i]["at_step"]
                 for i in ids
-                if isinstance(ev.get("step"), int) and injections[i]["at_step"] is not None
+                if first_step is not None and injections[i]["at_step"] is not None
             ]
             if lags:
                 rec["steps_to_abort"] = min(lags)
-        if guard_abort and (outcome in ("detected", "collateral") or ids):
-            rec["blamed_on"] = _blame(  # (an escape the guard aborted late: its victim's)
+            # the guard's account against the client's: an abort it logged that the client
+            # never saw, or a request it healed whose client saw an error
+            said_abort = any(e.get("action", "abort") == "abort" for e in evs)
+            if said_abort and not guard_abort and not r.client_abort:
+                rec["guard_abort_unseen"] = True
+            if recomputes and rec["client_error"] and not said_abort:
+                rec["recompute_then_error"] = True
+        if ids or rec["exposed_to"]:
+            # the one injection the request is charged to (an escape the guard aborted late: its
+            # victim's), so that per-class counts add up to requests
+            rec["charged_to"] = _blame(
                 r.rid,
                 ids or rec["exposed_to"],
                 injections,
                 "victims" if ids else "exposed",
                 rec.get("guard_step"),
             )
+            if guard_abort:
+                rec["blamed_on"] = rec["charged_to"]
         records.append(rec)
 
     by_rid = {rec["rid"]: rec for rec in records}
@@ -365,15 +477,22 @@ def _blame(rid: str, ids: list[int], injections: dict[int, dict], role: str, ste
 
 
 def _judge_injection(inj: dict, by_rid: dict[str, dict]) -> None:
-    """An injection's outcome from its victims' outcomes, and the aborts charged to it."""
+    """An injection's outcome from its victims' outcomes, and the guard's actions (aborts,
+    recomputes) and client-visible errors charged to it."""
     victims = [by_rid[v] for v in inj["victims"] if v in by_rid]
-    inj["victims_aborted"] = sum(
-        1 for r in by_rid.values() if r.get("blamed_on") == inj["id"] and r["victim_of"]
-    )
-    inj["collateral"] = sum(
-        1 for r in by_rid.values() if r.get("blamed_on") == inj["id"] and not r["victim_of"]
-    )
+    mine = [r for r in by_rid.values() if r.get("charged_to") == inj["id"]]
+    aborted = [r for r in mine if r["guard_aborted"]]
+    healed = [r for r in mine if r.get("recomputes") and not r["guard_aborted"]]
+    inj["victims_aborted"] = sum(1 for r in aborted if r["victim_of"])
+    inj["collateral"] = sum(1 for r in aborted if not r["victim_of"])
     inj["aborts"] = inj["victims_aborted"] + inj["collateral"]
+    # requests recomputed and not aborted in the end (healed, whatever their output), and the
+    # recomputes every request charged to it cost
+    inj["victims_recomputed"] = sum(1 for r in healed if r["victim_of"])
+    inj["collateral_recomputed"] = sum(1 for r in healed if not r["victim_of"])
+    inj["recomputes"] = sum(r.get("recomputes", 0) for r in mine)
+    inj["escaped_requests"] = sum(1 for r in mine if r["outcome"] == "escaped")
+    inj["client_errors"] = sum(1 for r in mine if r.get("client_error"))
     if inj["status"] != "injected":
         inj["outcome"] = inj["status"]
         return
@@ -382,6 +501,8 @@ def _judge_injection(inj: dict, by_rid: dict[str, dict]) -> None:
         inj["outcome"] = "escaped"
     elif any(v["guard_aborted"] for v in victims):  # a dropped request aborted first counts too
         inj["outcome"] = "detected"
+    elif any(v.get("recomputes") for v in victims):  # flagged and healed, none escaped
+        inj["outcome"] = "recomputed"
     elif seen["near_tie"]:
         inj["outcome"] = "near_tie"
     elif seen["exposed"]:

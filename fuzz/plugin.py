@@ -288,6 +288,10 @@ def _record(st, inj, event):
             "why": w.victims,  # rid -> how it was harmed (read wrong KV, page on the free list, ...)
             "exposed": w.only_exposed,  # held a page involved, own KV intact
             "read_at": w.read_at,  # rid -> first output token computed from wrong KV
+            # rid -> [[from, to or None], ...]: output tokens computed from wrong KV, [from, to):
+            # to is where a restart (recompute, retraction) began computing them again
+            "wrong_kv": w.spans,
+            "restarts": w.restarts,  # rid -> [[step, output tokens kept], ...]
             "detail": inj.detail,
             "pending": inj.pending is not None,  # a stale write not landed yet
             "bad_writes": [w.bad_writes_landed, w.bad_writes],  # landed, made (shared_write)

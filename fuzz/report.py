@@ -10,7 +10,19 @@ from pathlib import Path
 
 from kvguard.fuzz.oracle import INJECTION_OUTCOMES, REQUEST_OUTCOMES, UNGUARDED
 
-SCORED = ("escaped", "near_tie", "exposed", "detected")  # injections whose victims were scored
+# injections (and victims) whose victims' outputs were scored
+SCORED = ("escaped", "near_tie", "exposed", "detected", "recomputed")
+# per class: what the guard did to the requests charged to its injections, and what clients saw
+ACTION_COUNTS = (
+    "aborts",
+    "victims_aborted",
+    "collateral",
+    "victims_recomputed",
+    "collateral_recomputed",
+    "recomputes",
+    "escaped_requests",
+    "client_errors",
+)
 
 
 def summarize(cfg: dict) -> dict:
@@ -24,7 +36,7 @@ def summarize(cfg: dict) -> dict:
         if inj["outcome"] not in ("skipped", "not_run", "injector_error"):
             a = aborts.setdefault(inj["cls"], Counter())
             a["injections"] += 1
-            for k in ("aborts", "victims_aborted", "collateral"):
+            for k in ACTION_COUNTS:
                 a[k] += inj.get(k, 0)
             landed, made = inj.get("bad_writes") or (0, 0)
             a["bad_writes_landed"] += landed
@@ -101,6 +113,29 @@ def summarize(cfg: dict) -> dict:
         "idle_used_tokens_end": end_used,
         "memory_leak_warnings": cfg.get("memory_leak_warnings", 0),
         "read_sets": cfg.get("read_sets"),
+        # healing (kvguard's recompute instead of abort, KVGUARD_ON_VIOLATION)
+        "on_violation": cfg.get("on_violation"),
+        "requests_recomputed": sum(1 for r in reqs if r.get("recomputes")),
+        "recomputes": sum(r.get("recomputes", 0) for r in reqs),
+        "recomputed_then_aborted": sum(
+            1 for r in reqs if r.get("recomputes") and r["guard_aborted"]
+        ),
+        "victims_recomputed_escaped": sum(
+            1 for r in reqs if r.get("recomputes") and r["victim_of"] and r["outcome"] == "escaped"
+        ),
+        # what clients saw: guard aborts and every other error (a request its own client
+        # dropped saw none it did not ask for), and of them those no injection was charged with
+        "client_visible_errors": sum(1 for r in reqs if r.get("client_error")),
+        "client_errors_unattributed": sum(
+            1 for r in reqs if r.get("client_error") and r.get("charged_to") is None
+        ),
+        # the guard's log against what its clients saw: an abort logged that no client saw, a
+        # request logged healed whose client saw an error
+        "guard_aborts_unseen": sum(1 for r in reqs if r.get("guard_abort_unseen")),
+        "recomputes_then_error": sum(1 for r in reqs if r.get("recompute_then_error")),
+        # streams that took back tokens they had sent (a chunk counting fewer than before)
+        "streams_withdrawn": sum(1 for r in reqs if r.get("stream_withdrawn")),
+        "clean_pass_guard_recomputes": len(cfg.get("clean_guard_recomputes", [])),
     }
 
 
@@ -131,6 +166,8 @@ def verdict(cfg: dict) -> list[str]:
         bad.append(f"{s['bad_writes_landed']} of {s['bad_writes']} bad writes landed")
     if s["requests"]["error"]:
         bad.append(f"{s['requests']['error']} failed requests")
+    if s.get("streams_withdrawn"):
+        bad.append(f"{s['streams_withdrawn']} streams took back tokens they had sent")
     if s["server_deaths"]:
         bad.append(f"{s['server_deaths']} server deaths")
     if s["idle_used_tokens_end"]:
@@ -158,8 +195,19 @@ def _totals(configs: list[dict]) -> dict:
         t["injections_run"] += sum(
             v for k, v in s["injections"].items() if k not in ("skipped", "not_run")
         )
-        for k in ("escaped", "exposed", "false_abort", "collateral", "detected", "error"):
+        for k in (
+            "escaped",
+            "exposed",
+            "false_abort",
+            "collateral",
+            "detected",
+            "recomputed",
+            "recomputed_collateral",
+            "false_recompute",
+            "error",
+        ):
             t[k] += s["requests"].get(k, 0)
+        t["client_visible_errors"] += s.get("client_visible_errors", 0)
         t["streamed_escapes"] += s.get("streamed_escapes", 0)
         t["server_deaths"] += s["server_deaths"]
     return dict(t)
@@ -221,15 +269,17 @@ def markdown(report: dict) -> str:
         "",
         f"Command: `{report.get('command', '')}`",
         "",
+        *_on_violation_lines(report),
         "Versions: " + ", ".join(f"{k} {v}" for k, v in report.get("versions", {}).items()),
         "",
         "## Verdict per configuration",
         "",
-        "| configuration | scored requests | clean | exposed | detected | collateral | escaped "
+        "| configuration | scored requests | clean | exposed | detected | collateral | recomputed "
+        "(collateral, false) | escaped "
         "(streamed, of them aborted after) | tokens sent from wrong KV (requests) | near-tie "
-        "divergences (victims) | false aborts (KV changed) | errors | server deaths | idle KV "
-        "held (end) | verdict |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "divergences (victims) | false aborts (KV changed) | errors | client-visible errors | "
+        "server deaths | idle KV held (end) | verdict |",
+        "| --- " * 17 + "|",
     ]
     for c in report["configs"]:
         r = c["summary"]["requests"]
@@ -244,13 +294,15 @@ def markdown(report: dict) -> str:
             mode = f"default ({c['guard_status']['mode']})"
         lines.append(
             f"| {mode} ps{c['page_size']} | {scored} | {r['clean']} | {r.get('exposed', 0)} | "
-            f"{r['detected']} | {r['collateral']} | {r['escaped']} "
+            f"{r['detected']} | {r['collateral']} | {r.get('recomputed', 0)} "
+            f"({r.get('recomputed_collateral', 0)}, {r.get('false_recompute', 0)}) | {r['escaped']} "
             f"({sm.get('streamed_escapes', 0)}, {sm.get('streamed_escapes_aborted', 0)}) | "
             f"{sm.get('tokens_from_wrong_kv', 0)} "
             f"({sm.get('requests_sent_tokens_from_wrong_kv', 0)}) | "
             f"{r['near_tie']} ({c['summary']['near_ties_of_victims']}) | {fa} "
             f"({c['summary']['false_aborts_with_changed_kv']}) | "
-            f"{r['error']} | {c['summary']['server_deaths']} | "
+            f"{r['error']} | {sm.get('client_visible_errors', '')} | "
+            f"{c['summary']['server_deaths']} | "
             f"{c['summary']['idle_used_tokens_end']} | {ok} |"
         )
     lines += [
@@ -276,7 +328,15 @@ def markdown(report: dict) -> str:
         "collateral abort is one of a request that only held a page an injection involved, its "
         "own KV intact (its output would have matched), and a victim of none. A victim of "
         "`cross_tenant` that completes counts as escaped (another tenant's KV served it), "
-        "whatever its tokens.",
+        "whatever its tokens, unless the guard recomputed it before it read that KV. "
+        "Recomputed: a victim kvguard healed instead of aborting it (its KV released, prefilled "
+        "again from its prompt and the tokens it kept, decoded on) that completed with the "
+        "clean run's tokens, every streamed one included; in parentheses, the same for requests "
+        "only exposed to an injection (collateral) and for requests no injection touched "
+        "(false): reported, not failures. A recomputed request whose tokens differ is an escape "
+        "like any other; tokens computed from wrong KV that a recompute dropped and computed "
+        "again never left, and are not counted as sent. Client-visible errors: guard aborts and "
+        "every other error a client saw.",
         "",
     ]
     lines += _sensitivity_lines(report)
@@ -319,7 +379,8 @@ def markdown(report: dict) -> str:
         "",
         "Injection outcomes: **escaped** (a victim's wrong token reached its client: a wrong "
         "output, or a streamed token sent before an abort), **detected** (a victim was aborted "
-        "by kvguard and none escaped), **refused** (the "
+        "by kvguard and none escaped), **recomputed** (a victim was recomputed by kvguard, none "
+        "aborted, none escaped), **refused** (the "
         "guard refused the bad prefix-cache hit, so nothing read it), **exposed** (victims "
         "served the reference output; `masked` in reports before streaming), **near_tie** (a victim's output differs only from a near-tie step on), "
         "**unscored** (its only victims were dropped by their client or failed), "
@@ -327,13 +388,26 @@ def markdown(report: dict) -> str:
         "stale write that never found a reader, or an in-forward flip whose layer never ran), "
         "**skipped** "
         "(no fitting moment within max_tries scheduler steps), **not_run** (still queued at the "
-        "end). Steps to abort: forward passes from the one the corruption was injected before to "
-        "the one kvguard flagged it. For `canary` (SGLang's kv-canary in log mode: it never "
+        "end). Steps to flag: forward passes from the one the corruption was injected before to "
+        "the one kvguard first flagged a victim in (to abort or recompute it). For `canary` (SGLang's kv-canary in log mode: it never "
         "aborts) *canary flagged* counts injections that landed in a wave where the canary logged "
         "a violation.",
         "",
     ]
     return "\n".join(lines)
+
+
+def _on_violation_lines(report: dict) -> list[str]:
+    action = report["settings"].get("on_violation")
+    if not action:
+        return []
+    return [
+        f"On a violation the guarded servers were told to **{action}** "
+        f"(`KVGUARD_ON_VIOLATION={action}`): healing applies in modes `verified` and `paranoid`; "
+        "`tags`, `sampled` and guard errors abort whatever the setting, and so does a request "
+        "past its recompute budget.",
+        "",
+    ]
 
 
 def _sensitivity_lines(report: dict) -> list[str]:
@@ -435,16 +509,22 @@ def _aborts_table(report: dict) -> list[str]:
     if not rows:
         return []
     out = [
-        "## Aborts per injection, by class",
+        "## Guard actions per injection, by class",
         "",
-        "Victims aborted: requests an injection harmed (read or would read wrong KV); "
-        "collateral: requests only exposed to it (held a page involved, own KV intact), aborted. "
-        "Bad writes: forward writes into a page the writer does not own (`shared_write`), landed "
-        "of made (the page's bytes changed): a write firewall lands none.",
+        "Each victim (a request an injection harmed: it read or would read wrong KV) and each "
+        "request only exposed to one (held a page involved, own KV intact) is charged to one "
+        "injection. Recomputed: healed by kvguard (recomputed, not aborted in the end), victims "
+        "and exposed (collateral); recomputes: how many times, all requests charged; aborted: "
+        "victims, and collateral (exposed requests aborted); escaped: requests charged to the "
+        "class whose wrong token reached a client; client-visible errors: guard aborts and every "
+        "other error their clients saw. Bad writes: forward writes into a page the writer does "
+        "not own (`shared_write`), landed of made (the page's bytes changed): a write firewall "
+        "lands none.",
         "",
-        "| configuration | class | injections run | aborts | victims aborted | collateral | "
+        "| configuration | class | injections run | victims recomputed | collateral recomputed | "
+        "recomputes | victims aborted | collateral aborted | escaped | client-visible errors | "
         "aborts per injection | bad writes landed |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| --- " * 12 + "|",
     ]
     for c, cls, a in rows:
         n = a.get("injections", 0)
@@ -453,8 +533,10 @@ def _aborts_table(report: dict) -> list[str]:
             f"{a.get('bad_writes_landed', 0)} of {a['bad_writes']}" if a.get("bad_writes") else ""
         )
         out.append(
-            f"| {c['mode']} ps{c['page_size']} | {cls} | {n} | {a.get('aborts', 0)} | "
-            f"{a.get('victims_aborted', 0)} | {a.get('collateral', 0)} | {per} | {writes} |"
+            f"| {c['mode']} ps{c['page_size']} | {cls} | {n} | {a.get('victims_recomputed', 0)} | "
+            f"{a.get('collateral_recomputed', 0)} | {a.get('recomputes', 0)} | "
+            f"{a.get('victims_aborted', 0)} | {a.get('collateral', 0)} | "
+            f"{a.get('escaped_requests', 0)} | {a.get('client_errors', 0)} | {per} | {writes} |"
         )
     return out + [""]
 
@@ -491,7 +573,7 @@ def _matrix(c: dict) -> list[str]:
         "| class | "
         + " | ".join(cols)
         + (" | canary flagged" if canary else "")
-        + " | steps to abort (median/max) |"
+        + " | steps to flag (median/max) |"
     )
     out = [
         f"### {c['mode']} ps{c['page_size']}",
@@ -551,6 +633,9 @@ def _problems(report: dict) -> list[str]:
             for r in c.get("requests", [])
             if r["outcome"] in ("escaped", "false_abort", "collateral", "error", "exposed")
             or r.get("tokens_from_wrong_kv")
+            or r.get("stream_withdrawn")
+            or r.get("guard_abort_unseen")
+            or r.get("recompute_then_error")
         ]
         if not bad and not c.get("deaths") and not c.get("error"):
             continue
@@ -577,6 +662,26 @@ def _problems(report: dict) -> list[str]:
                     else ""
                 )
                 + (f"; guard {r['violation']} {r.get('guard_kinds')}" if r.get("violation") else "")
+                + (
+                    f"; recomputed {r['recomputes']}x (guard actions {r.get('guard_actions')})"
+                    if r.get("recomputes")
+                    else ""
+                )
+                + (
+                    f"; stream took back sent tokens {r['stream_withdrawn']}x"
+                    if r.get("stream_withdrawn")
+                    else ""
+                )
+                + (
+                    "; guard logged an abort its client never saw"
+                    if r.get("guard_abort_unseen")
+                    else ""
+                )
+                + (
+                    "; logged healed, its client saw an error"
+                    if r.get("recompute_then_error")
+                    else ""
+                )
                 + (f"; {r['error'][:160]}" if r.get("error") and not r.get("violation") else "")
             )
         for d in c.get("deaths", []):
@@ -595,6 +700,7 @@ def _problems(report: dict) -> list[str]:
 # -- png ------------------------------------------------------------------------------------------
 COLORS = {
     "detected": (46, 160, 67),
+    "recomputed": (40, 130, 170),
     "refused": (120, 190, 120),
     "escaped": (218, 54, 51),
     "near_tie": (240, 160, 60),
@@ -656,11 +762,12 @@ def draw_png(report: dict, path: Path) -> None:
                     x += w
             run = sum(
                 counts.get(k, 0)
-                for k in ("detected", "escaped", "exposed", "unscored", "no_victim")
+                for k in ("detected", "recomputed", "escaped", "exposed", "unscored", "no_victim")
             )
+            caught = counts.get("detected", 0) + counts.get("recomputed", 0)
             d.text(
                 (x0 + label_w + bar_w + 6, y + 2),
-                f"{counts.get('detected', 0)}/{run} det, {counts.get('escaped', 0)} esc",
+                f"{caught}/{run} det, {counts.get('escaped', 0)} esc",
                 fill="black",
             )
     y = top + rows * (panel_h + pad)
