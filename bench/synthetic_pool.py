@@ -60,6 +60,15 @@ class _Engine:
         if isinstance(request_handle, Request):
             request_handle.aborted = True
 
+    def recomputes(self, request_handle: object) -> int:
+        return 0
+
+    def recomputing(self, request_handle: object) -> bool:
+        return False
+
+    def recompute(self, request_handle: object, violation: Violation) -> bool:
+        return False  # no scheduler to re-queue into: flagged requests are aborted
+
     def withhold_pages(self, pages: torch.Tensor) -> int:
         drop = set(pages.tolist())
         before = len(self.pool.free_pages)

@@ -1,6 +1,7 @@
-"""Actions: the only layer that reaches back into the engine. Given a step's verdict it aborts
-the affected requests (through the engine adapter), quarantines pages whose content is bad, takes
-back pages freed while still validly read, counts and logs."""
+"""Actions: the only layer that reaches back into the engine. Given a step's verdict it heals
+(recomputes) or aborts the affected requests (through the engine adapter; ``healing`` decides
+which), quarantines pages whose content is bad, takes back pages freed while still validly read,
+counts and logs."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from typing import Protocol
 
 import torch
 
+from kvguard.healing import HealPolicy
 from kvguard.ledger import PageLedger
 from kvguard.metrics import GuardMetrics
 from kvguard.ratelimit import RateLimitedLog
@@ -18,6 +20,20 @@ class EngineControl(Protocol):
     """What an engine adapter lets the guard do."""
 
     def abort(self, request_handle: object, violation: Violation) -> None: ...
+
+    def recomputes(self, request_handle: object) -> int:
+        """How often this request was sent back to be recomputed so far."""
+        ...
+
+    def recomputing(self, request_handle: object) -> bool:
+        """Already sent back and not re-queued yet (a step in flight read its old KV too)."""
+        ...
+
+    def recompute(self, request_handle: object, violation: Violation) -> bool:
+        """Send the request back to be recomputed: this step's output dropped, its KV released,
+        re-queued with its prompt and produced tokens. False: the engine cannot for this
+        request (it is aborted instead)."""
+        ...
 
     def withhold_pages(self, pages: torch.Tensor) -> int:
         """Take pages out of the engine's free list; returns how many were there."""
@@ -31,8 +47,10 @@ class Actions:
         metrics: GuardMetrics,
         engine: EngineControl | None,
         log: RateLimitedLog | None = None,
+        healing: HealPolicy | None = None,
     ):
         self.ledger = ledger
+        self.healing = healing
         self.metrics = metrics
         self.engine = engine
         self.log = log or RateLimitedLog(metrics)
@@ -41,12 +59,50 @@ class Actions:
         self.num_quarantined_total = 0
         self.num_reclaimed_total = 0
 
+    def act(
+        self, violations: list[Violation], handles: list[object], breaker_open: bool = False
+    ) -> None:
+        """Heal or abort each flagged request. ``breaker_open``: the step's recompute breaker
+        (agreed over tensor-parallel ranks), so every rank decides alike."""
+        for violation, handle in zip(violations, handles):
+            if (
+                handle is not None
+                and self.engine is not None
+                and self._heal(violation, handle, breaker_open)
+            ):
+                continue
+            self._record(violation)
+            if handle is not None and self.engine is not None:
+                self.engine.abort(handle, violation)
+                self.metrics.requests_aborted.inc()
+
     def abort(self, violations: list[Violation], handles: list[object]) -> None:
+        """Abort every one of them (a step the guard could not judge)."""
         for violation, handle in zip(violations, handles):
             self._record(violation)
             if handle is not None and self.engine is not None:
                 self.engine.abort(handle, violation)
                 self.metrics.requests_aborted.inc()
+
+    def _heal(self, violation: Violation, handle: object, breaker_open: bool) -> bool:
+        if self.healing is None or self.engine is None:
+            return False
+        if self.engine.recomputing(handle):
+            return True  # the same request, its output of this step dropped with it: no news
+        done = self.engine.recomputes(handle)
+        why = self.healing.why_not(violation.kinds, done, breaker_open)
+        violation.recomputes = done
+        if why is None:
+            violation.action, violation.recomputes = "recompute", done + 1
+            if self.engine.recompute(handle, violation):
+                self.healing.healed()
+                self._record(violation)
+                return True
+            why = "the engine cannot requeue this request"
+        violation.action, violation.recomputes = "abort", done
+        if why != "on_violation=abort":
+            violation.why_not_healed = why
+        return False
 
     def quarantine(
         self, pages: torch.Tensor, epochs: torch.Tensor, step: int

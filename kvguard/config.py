@@ -20,6 +20,15 @@ class Mode(str, Enum):
     PARANOID = "paranoid"  # verified + every KV token read is checksummed before each forward
 
 
+class OnViolation(str, Enum):
+    """What becomes of a request whose KV the guard found bad."""
+
+    ABORT = "abort"  # finished with an error naming the violation
+    # its KV released, re-queued with the tokens it produced (all from verified reads),
+    # re-prefilled and decoded on; where that cannot apply (see kvguard.healing), aborted
+    RECOMPUTE = "recompute"
+
+
 MIN_CAP_PAGES = 16  # the quarantine cap's floor, in pages
 
 
@@ -38,16 +47,32 @@ class GuardConfig:
     # Pages quarantined at once, as a fraction of the pool, at which the guard fails closed
     # (server unhealthy, new requests refused; quarantined pages return to service scrubbed).
     quarantine_cap: float = 0.01
+    on_violation: OnViolation = OnViolation.RECOMPUTE
+    # recompute: a request is healed at most this many times, then aborted (a fault that comes
+    # back is not healed away)
+    recompute_budget: int = 2
+    # recompute: past this many recomputes in the trailing minute (the whole server), requests
+    # are aborted instead and an alert raised, until the rate falls back under it
+    recompute_breaker_per_minute: int = 60
 
     def __post_init__(self) -> None:
-        if not isinstance(self.mode, Mode):
-            try:
-                object.__setattr__(self, "mode", Mode(str(self.mode).lower()))
-            except ValueError:
-                raise ConfigError(
-                    f"invalid kvguard mode {self.mode!r}: choose one of "
-                    + ", ".join(m.value for m in Mode)
-                ) from None
+        for name, enum, what in (
+            ("mode", Mode, "mode"),
+            ("on_violation", OnViolation, "on_violation"),
+        ):
+            value = getattr(self, name)
+            if not isinstance(value, enum):
+                try:
+                    object.__setattr__(self, name, enum(str(value).lower()))
+                except ValueError:
+                    raise ConfigError(
+                        f"invalid kvguard {what} {value!r}: choose one of "
+                        + ", ".join(m.value for m in enum)
+                    ) from None
+        for name in ("recompute_budget", "recompute_breaker_per_minute"):
+            n = getattr(self, name)
+            if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+                raise ConfigError(f"{name} must be an integer >= 0, got {n!r}")
         sweep = self.sweep_tokens_per_step
         if isinstance(sweep, bool) or not isinstance(sweep, int) or sweep < 0:
             raise ConfigError(
@@ -82,8 +107,8 @@ class GuardConfig:
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None, **overrides: Any) -> GuardConfig:
-        """Read ``KVGUARD_MODE``, ``KVGUARD_SWEEP_TOKENS_PER_STEP``, ``KVGUARD_TENANT_ISOLATION``,
-        ``KVGUARD_QUARANTINE_CAP`` (``overrides`` that are not None win over the environment)."""
+        """Read ``KVGUARD_<FIELD>`` for each field (``KVGUARD_MODE``, ``KVGUARD_ON_VIOLATION``,
+        ...; ``overrides`` that are not None win over the environment)."""
         environ = os.environ if environ is None else environ
         values: dict[str, Any] = {}
         for f in fields(cls):
@@ -100,7 +125,7 @@ class GuardConfig:
         for f in fields(self):
             v = getattr(self, f.name)
             out[f"KVGUARD_{f.name.upper()}"] = (
-                v.value if isinstance(v, Mode) else str(int(v) if isinstance(v, bool) else v)
+                v.value if isinstance(v, Enum) else str(int(v) if isinstance(v, bool) else v)
             )
         return out
 

@@ -56,6 +56,9 @@ def install(engine: Any, config: GuardConfig | None = None) -> list[GuardStatus]
             "mode": config.mode.value,
             "sweep_tokens_per_step": config.sweep_tokens_per_step,
             "tenant_isolation": config.tenant_isolation,
+            "on_violation": config.on_violation.value,
+            "recompute_budget": config.recompute_budget,
+            "recompute_breaker_per_minute": config.recompute_breaker_per_minute,
         }
         for rank, s in enumerate(statuses):
             got = {k: s.get(k) for k in want}

@@ -24,6 +24,7 @@ import torch
 from kvguard.actions import Actions, EngineControl
 from kvguard.checker import StepChecker
 from kvguard.config import GuardConfig, Mode
+from kvguard.healing import HealPolicy
 from kvguard.health import GuardHealth
 from kvguard.kernels import guard_ref
 from kvguard.kernels.backend import GuardKernels, select
@@ -97,7 +98,8 @@ class PeerRanks(Protocol):
 
 
 # The flag word that closes a step's agreement: what the per-request kinds do not say.
-TAINTED, RECLAIMING, FAILED = 1, 2, 4
+# BREAKER: some rank's recompute breaker is open (the step's violations abort on every rank).
+TAINTED, RECLAIMING, FAILED, BREAKER = 1, 2, 4, 8
 # After a quarantine, every read is verified (readers of a quarantined page whose bytes are
 # intact go on) while quarantined pages are still held, for at most this many steps: past it a
 # read of a still-quarantined page that was not verified that step is a violation again.
@@ -135,7 +137,8 @@ class Guard:
         self.kernels.bind(self.ledger.pages, self.records.rows, self.checker.kv_buffers)
         self.metrics = metrics or GuardMetrics.default()
         self.log = RateLimitedLog(self.metrics)
-        self.actions = Actions(self.ledger, self.metrics, engine, self.log)
+        self.healing = HealPolicy(config, self.metrics)
+        self.actions = Actions(self.ledger, self.metrics, engine, self.log, self.healing)
         self.health = GuardHealth(config.quarantine_cap_pages(self.ledger.num_pages))
         self.health.listeners.append(self._health_changed)
         self.step = 0
@@ -162,7 +165,7 @@ class Guard:
         """Switch mode at run time (benchmarks interleave modes in one server). ``off`` here means
         installed but idle; a server started with mode off has no hooks at all."""
         self.config = self.config.with_(mode=mode)
-        self.checker.config = self.config
+        self.checker.config = self.healing.config = self.config
 
     @property
     def active(self) -> bool:
@@ -323,7 +326,7 @@ class Guard:
             if self.peers is not None:
                 summary = self.peers.or_words(summary)
         kinds, word = summary[:B], int(summary[B])
-        if not (word or events or bool(kinds.any())):  # agreed clean: nothing to act on
+        if not (word & ~BREAKER or events or bool(kinds.any())):  # agreed clean: nothing to act on
             self.health.step_succeeded()
             self._account(t0)
             self._flush_metrics()
@@ -337,7 +340,10 @@ class Guard:
         violations: list[Violation] = []
         try:
             self._report_engine_events(self.step if verdict is None else verdict.view.step)
-            violations = self._act(verdict, handles, kinds, to_quarantine, to_reclaim)
+            breaker = (
+                bool(word & BREAKER) if self.peers is not None else self.healing.breaker_open()
+            )
+            violations = self._act(verdict, handles, kinds, to_quarantine, to_reclaim, breaker)
         except Exception as exc:  # acting failed: fail the whole batch closed
             self.internal_error("resolve", exc)
             violations = self.fail_closed(handles)
@@ -365,6 +371,8 @@ class Guard:
             out[:B] |= verdict.read_bad[:B].to(torch.int64) * int(Kind.READ_MISMATCH)
             tainted = tainted or bool(verdict.read_pages is not None and verdict.read_pages.numel())
         out[B] = (TAINTED if tainted else 0) | (RECLAIMING if reclaim else 0)
+        if self.peers is not None and self.healing.breaker_open():
+            out[B] |= BREAKER
         return out
 
     def _agreed_pages(self, verdict: StepVerdict | None) -> tuple[PageEpochs, PageEpochs]:
@@ -421,6 +429,7 @@ class Guard:
         kinds: torch.Tensor,
         taint: PageEpochs | None,
         reclaim: PageEpochs | None,
+        breaker_open: bool = False,
     ) -> list[Violation]:
         step = self.step if verdict is None else verdict.view.step
         violations: list[Violation] = []
@@ -433,7 +442,7 @@ class Guard:
             else:
                 violations.append(forensic_record(verdict, b, kind, self.ledger, self.records))
             bad.append(handles[b])
-        self.actions.abort(violations, bad)
+        self.actions.act(violations, bad, breaker_open)
         if taint is not None and taint[0].numel():
             self._quarantine(taint, step)
         if reclaim is not None and reclaim[0].numel():
@@ -684,6 +693,9 @@ class Guard:
             "mode": self.config.mode.value,
             "sweep_tokens_per_step": self.config.sweep_tokens_per_step,
             "tenant_isolation": self.config.tenant_isolation,
+            "on_violation": self.config.on_violation.value,
+            "recompute_budget": self.config.recompute_budget,
+            "recompute_breaker_per_minute": self.config.recompute_breaker_per_minute,
             "page_size": self.ledger.page_size,
             "num_pages": self.ledger.num_pages,
             "kernels": self.kernels.name,

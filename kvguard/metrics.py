@@ -34,6 +34,25 @@ class GuardMetrics:
             "violations", "Integrity violations found, by kind", ["kind"], **kw
         )
         self.requests_aborted = Counter("requests_aborted", "Requests aborted by the guard", **kw)
+        self.requests_recomputed = Counter(
+            "requests_recomputed",
+            "Requests whose KV went bad, sent back to be recomputed instead of aborted",
+            **kw,
+        )
+        self.recompute_seconds = Counter(
+            "recompute_seconds",
+            "Wall time from a recompute decision to the request's first token after it",
+            **kw,
+        )
+        self.tokens_recomputed = Counter(
+            "tokens_recomputed", "Tokens re-prefilled by recomputed requests", **kw
+        )
+        self.recompute_breaker_open = Gauge(
+            "recompute_breaker_open",
+            "1 while recomputes per minute are past the breaker (violations abort instead)",
+            multiprocess_mode="livemax",
+            **kw,
+        )
         self.pages_quarantined = Counter("pages_quarantined", "KV pages withheld from reuse", **kw)
         self.check_seconds = Counter(
             "check_seconds", "CPU time of the scheduler thread inside guard hooks", **kw

@@ -88,6 +88,9 @@ class Violation:
     request: str | None  # engine request id; None for engine-level events (double free)
     row: int | None
     pages: list[dict[str, object]] = field(default_factory=list)  # suspect pages, with history
+    action: str = "abort"  # what became of the request: "abort" or "recompute"
+    recomputes: int = 0  # how often the request has been recomputed, this one included
+    why_not_healed: str | None = None  # an abort where recompute was configured: why
 
     @property
     def message(self) -> str:
@@ -104,6 +107,9 @@ class Violation:
             "request": self.request,
             "row": self.row,
             "pages": self.pages,
+            "action": self.action,
+            "recomputes": self.recomputes,
+            **({"why_not_healed": self.why_not_healed} if self.why_not_healed else {}),
         }
 
 

@@ -44,9 +44,15 @@ def _before_insert(cache, req, kwargs):  # type: ignore[no-untyped-def]
         # holds keeps SGLang's own bookkeeping (locks, release of the rest) on its usual path.
         guard.log("warning", "kvguard_tree_insert_skipped", request=req.rid, reason="flagged")
         return "bar"
-    if guard.ledger.num_quarantined and _insert_meets_quarantine(cache, req, kwargs.get("up_to")):
-        # The tree would swap this request's pages for its own copies, quarantined ones among
-        # them: keep the request on its own pages (as if barred from the tree this once).
+    if (guard.ledger.num_quarantined or guard.contained_faults) and _insert_meets_bad_node(
+        cache, req, kwargs.get("up_to")
+    ):
+        # The tree would swap this request's pages for its own copies, and some of those are
+        # quarantined or not the request's own tokens any more (an engine bug handed a node's
+        # page to someone else): keep the request on its own pages (as if barred from the tree
+        # this once). A recomputed request would otherwise be bound again to the very page
+        # that failed it. Asked only once a fault was seen: until then the tree holds no bad node
+        # the step check has not flagged.
         guard.log("warning", "kvguard_tree_insert_skipped", request=req.rid)
         return "skip"
     t0 = clock()
@@ -72,7 +78,7 @@ def _after_insert(req, row: int, start: int, before) -> None:  # type: ignore[no
         guard.on_share(table[row, :shared], row)
 
 
-def _insert_meets_quarantine(cache, req, up_to) -> bool:
+def _insert_meets_bad_node(cache, req, up_to) -> bool:
     from sglang.srt.mem_cache.base_prefix_cache import MatchPrefixParams
     from sglang.srt.mem_cache.common import _req_radix_key
 
@@ -80,10 +86,17 @@ def _insert_meets_quarantine(cache, req, up_to) -> bool:
         : up_to if up_to is not None else len(req.full_untruncated_fill_ids)
     ]
     result = cache._match_tree(MatchPrefixParams(key=_req_radix_key(cache, req, tokens)))
-    if not result.device_prefix_len:
+    n = result.device_prefix_len
+    if not n:
         return False
-    slots = cache.path_device_indices(result.last_device_node)[: result.device_prefix_len]
-    return state.guard.holds_quarantined(slots)
+    guard = state.guard
+    slots = cache.path_device_indices(result.last_device_node)[:n]
+    if guard.ledger.num_quarantined and guard.holds_quarantined(slots):
+        return True
+    if not guard.host_reads_free:
+        return False
+    seed = namespace_seed(*namespace_of(req)) if guard.config.tenant_isolation else 0
+    return not guard.adoptable(slots, list(tokens[:n]), seed)
 
 
 # -- UnifiedRadixCache.match_prefix (AROUND) ---------------------------------------------------------------

@@ -1,5 +1,6 @@
-"""What the guard's action layer may do to SGLang: abort one request, withhold quarantined pages,
-repair the free list when idle, release an aborted request by the ledger's truth."""
+"""What the guard's action layer may do to SGLang: abort one request, send one back to be
+recomputed, withhold quarantined pages, repair the free list when idle, release an aborted
+request by the ledger's truth."""
 
 from __future__ import annotations
 
@@ -16,6 +17,9 @@ class SGLangControl:
 
     def __init__(self, scheduler):
         self.scheduler = scheduler
+        # Requests sent back to be recomputed, not re-queued yet (kvguard.patches.recompute)
+        self.recompute_pending: list = []
+        self.awaiting_token: list = []  # released for recompute, first new token not out yet
 
     def abort(self, req, violation):
         from sglang.srt.managers.schedule_batch import FINISH_ABORT
@@ -36,6 +40,28 @@ class SGLangControl:
             sched._pending_chunked_abort_req = req
             return
         req.finished_reason = reason
+
+    def recomputes(self, req) -> int:
+        return getattr(req, "kvguard_recomputes", 0)
+
+    def recomputing(self, req) -> bool:
+        return req in self.recompute_pending
+
+    def recompute(self, req, violation) -> bool:
+        """Mark the request retracted: the result loop commits and streams nothing of this step
+        (nor of a step already in flight); ``recompute.release_for_recompute`` releases its KV
+        after the loop and ``recompute.before_next_batch`` re-queues it."""
+        if req.finished():
+            return True  # already finished and released: nothing of it is served again
+        why_not = _cannot_recompute(req)
+        if why_not is not None:
+            violation.why_not_healed = why_not
+            return False
+        req.kvguard_recomputes = self.recomputes(req) + 1
+        req.kvguard_recompute = violation
+        req.is_retracted = True
+        self.recompute_pending.append(req)
+        return True
 
     def withhold_pages(self, pages: torch.Tensor) -> int:
         alloc = self.scheduler.token_to_kv_pool_allocator
@@ -99,3 +125,15 @@ def release_aborted(scheduler, req):
     if left.numel():
         with guard.releasing(row):
             scheduler.token_to_kv_pool_allocator.free_page_ids(left.to(torch.int64))
+
+
+def _cannot_recompute(req) -> str | None:
+    """Why SGLang's re-prefill of a retracted request (its own path under memory pressure) would
+    not continue this one exactly."""
+    if getattr(req, "beam_group", None) is not None:
+        return "beam search groups cannot be retracted"
+    if getattr(req, "input_embeds", None) is not None:
+        return "a request given input embeddings restarts from scratch when retracted"
+    if getattr(req, "multimodal_inputs", None) is not None:
+        return "multimodal inputs"
+    return None

@@ -1,11 +1,11 @@
 """Hooks around the forward: check before it, seal after it, read the verdict at the sync that
-follows it and abort bad requests before their token is emitted. A guard failure costs the
+follows it and abort or recompute bad requests before their token is emitted. A guard failure costs the
 batch's requests (aborted, never served unchecked), never the scheduler."""
 
 from __future__ import annotations
 
 from kvguard.guard import clock
-from kvguard.patches import kv_read, state
+from kvguard.patches import kv_read, recompute, state
 from kvguard.patches.adapter import step_view
 from kvguard.patches.control import release_aborted
 
@@ -105,10 +105,15 @@ def around_process_batch_result(original, scheduler, batch, result, *args, **kwa
         if getattr(r, "kvguard_violation", None) is not None
         and not getattr(r, "kvguard_released", False)
     ]
-    if not aborted:
-        return original(scheduler, batch, result, *args, **kwargs)
-    # Finished requests are skipped by the result loop under overlap semantics: their token of
-    # this step is never appended nor streamed. Apply those semantics for this one call.
+    sent_back = recompute.pending_in(batch.reqs)  # healed: recomputed, not aborted
+    if not (aborted or sent_back):
+        out = original(scheduler, batch, result, *args, **kwargs)
+        if state.control is not None and state.control.awaiting_token:
+            recompute.account_recomputed()
+        return out
+    # Finished and retracted requests are skipped by the result loop under overlap semantics:
+    # their token of this step is never appended nor streamed. Apply those semantics for this
+    # one call.
     proc = scheduler.batch_result_processor
     saved = proc.enable_overlap
     object.__setattr__(proc, "enable_overlap", True)  # a frozen dataclass; restored below
@@ -121,4 +126,10 @@ def around_process_batch_result(original, scheduler, batch, result, *args, **kwa
             release_aborted(scheduler, req)
         except Exception as exc:  # its pages stay held (a leak the idle repair finds), no more
             guard.internal_error("release", exc)
+    for req in sent_back:
+        try:
+            recompute.release_for_recompute(scheduler, req)
+        except Exception as exc:  # not healed after all: aborted as it would have been
+            guard.internal_error("recompute", exc)
+            recompute.give_up(scheduler, req)
     return out

@@ -39,6 +39,7 @@ def attach(result, scheduler, *args, **kwargs):
         log.error("kvguard_unsupported_pool", pool=type(kv).__name__, error=str(exc))
         raise SystemExit(f"kvguard-serve: error: {exc}") from None
     table = scheduler.req_to_token_pool.req_to_token
+    state.control = SGLangControl(scheduler)
     state.guard = Guard(
         config,
         num_slots=buffers[0].shape[0],
@@ -46,7 +47,7 @@ def attach(result, scheduler, *args, **kwargs):
         num_rows=table.shape[0],
         kv_buffers=buffers,
         device=table.device,
-        engine=SGLangControl(scheduler),
+        engine=state.control,
         peers=scheduler_peers(scheduler),
     )
     state.scheduler = scheduler
@@ -60,6 +61,7 @@ def attach(result, scheduler, *args, **kwargs):
     log.info(
         "kvguard_attached",
         mode=config.mode.value,
+        on_violation=config.on_violation.value,
         pid=__import__("os").getpid(),
         slots=buffers[0].shape[0],
         page_size=state.guard.ledger.page_size,

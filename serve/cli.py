@@ -27,7 +27,7 @@ from importlib.util import find_spec
 from pathlib import Path
 
 from kvguard import logconfig
-from kvguard.config import ConfigError, GuardConfig, Mode
+from kvguard.config import ConfigError, GuardConfig, Mode, OnViolation
 from kvguard.patches.engine_options import refusals
 from kvguard.serve.preflight import LaunchError, check_listen_address, check_model_path
 
@@ -80,6 +80,26 @@ def kvguard_parser() -> argparse.ArgumentParser:
         "closed: /health 503, new requests refused (env KVGUARD_QUARANTINE_CAP; default 0.01)",
     )
     g.add_argument(
+        "--kvguard-on-violation",
+        choices=[v.value for v in OnViolation],
+        help="what becomes of a request whose KV the guard found bad (env KVGUARD_ON_VIOLATION; "
+        "default recompute: re-prefilled from its verified tokens and decoded on, where every "
+        "read is verified before tokens leave; otherwise, and past the budget or breaker, abort)",
+    )
+    g.add_argument(
+        "--kvguard-recompute-budget",
+        type=int,
+        metavar="N",
+        help="recomputes per request before it is aborted (env KVGUARD_RECOMPUTE_BUDGET; default 2)",
+    )
+    g.add_argument(
+        "--kvguard-recompute-breaker-per-minute",
+        type=int,
+        metavar="N",
+        help="recomputes in the trailing minute past which violations abort and an alert is "
+        "raised; 0: no breaker (env KVGUARD_RECOMPUTE_BREAKER_PER_MINUTE; default 60)",
+    )
+    g.add_argument(
         "--embedded-model",
         choices=EMBEDDED_MODELS,
         help="without --model-path, which embedded model to serve: default (a tiny Llama) or "
@@ -129,6 +149,9 @@ def prepare(argv: list[str]):
             sweep_tokens_per_step=kv.kvguard_sweep_tokens_per_step,
             tenant_isolation=kv.kvguard_tenant_isolation,
             quarantine_cap=kv.kvguard_quarantine_cap,
+            on_violation=kv.kvguard_on_violation,
+            recompute_budget=kv.kvguard_recompute_budget,
+            recompute_breaker_per_minute=kv.kvguard_recompute_breaker_per_minute,
         )
     except ConfigError as e:
         raise LaunchError(str(e)) from None

@@ -7,7 +7,7 @@ import dataclasses
 
 import pytest
 
-from kvguard.config import ConfigError, GuardConfig, Mode
+from kvguard.config import ConfigError, GuardConfig, Mode, OnViolation
 
 
 def test_defaults():
@@ -141,7 +141,31 @@ def test_to_env_spelling():
         "KVGUARD_SWEEP_TOKENS_PER_STEP": "9",
         "KVGUARD_TENANT_ISOLATION": "1",
         "KVGUARD_QUARANTINE_CAP": "0.05",
+        "KVGUARD_ON_VIOLATION": "recompute",
+        "KVGUARD_RECOMPUTE_BUDGET": "2",
+        "KVGUARD_RECOMPUTE_BREAKER_PER_MINUTE": "60",
     }
+
+
+def test_on_violation_from_env_and_defaults():
+    assert GuardConfig().on_violation is OnViolation.RECOMPUTE
+    c = GuardConfig.from_env({"KVGUARD_ON_VIOLATION": "ABORT", "KVGUARD_RECOMPUTE_BUDGET": "5"})
+    assert c.on_violation is OnViolation.ABORT and c.recompute_budget == 5
+    assert GuardConfig.from_env(c.to_env()) == c
+
+
+@pytest.mark.parametrize(
+    "env",
+    [
+        {"KVGUARD_ON_VIOLATION": "retry"},
+        {"KVGUARD_RECOMPUTE_BUDGET": "-1"},
+        {"KVGUARD_RECOMPUTE_BUDGET": "two"},
+        {"KVGUARD_RECOMPUTE_BREAKER_PER_MINUTE": "1.5"},
+    ],
+)
+def test_bad_healing_settings_are_refused(env):
+    with pytest.raises(ConfigError, match=r"on_violation|RECOMPUTE|recompute"):
+        GuardConfig.from_env(env)
 
 
 @pytest.mark.parametrize("raw", ["0", "1.5", "-0.1", "lots"])

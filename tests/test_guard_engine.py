@@ -1,8 +1,9 @@
 """The guard inside a live SGLang engine (CPU): real scheduler, allocator, radix cache, KV pool.
 
 Each bug class is made to happen inside the running engine by the fault-injection plugin
-(``kvguard.fuzz``, the test-only injection point, driven through its control file). For every
-class: the requests whose KV was touched are aborted with a KV-integrity error naming a violation
+(``kvguard.fuzz``, the test-only injection point, driven through its control file). With
+``on_violation=abort`` (healing: ``test_heal_engine``), for every class: the requests whose KV
+was touched are aborted with a KV-integrity error naming a violation
 id, every other request's greedy output equals the clean reference, the violation is logged with
 its forensic record, and the engine then answers a fresh request correctly.
 """
@@ -25,7 +26,7 @@ pytestmark = pytest.mark.engine  # every test here runs a live engine
 
 @pytest.mark.parametrize("page_size", [16, 1])
 def test_each_injected_bug_aborts_only_its_victims(tmp_path, capfd, page_size):
-    with guarded_engine(tmp_path, page_size) as eng:
+    with guarded_engine(tmp_path, page_size, env={"KVGUARD_ON_VIOLATION": "abort"}) as eng:
         prompts = workload(16)
         reference = eng.run(prompts)
         assert all("error" not in r for r in reference)
@@ -60,21 +61,8 @@ def test_each_injected_bug_aborts_only_its_victims(tmp_path, capfd, page_size):
                 vid = out[j]["error"].split("violation ")[1].split(":")[0]
                 ev = logged[vid]
                 assert ev["kinds"] and ev["request"] and ev["step"] > 0
+                assert ev["action"] == "abort" and ev["recomputes"] == 0
                 assert any(p["positions"] for p in ev["pages"]) or "quarantined_page" in ev["kinds"]
         # the engine is still serving, and serving correctly
         fresh = eng.run(prompts[:3], tag="fresh")
         assert [o["output_ids"] for o in fresh] == [r["output_ids"] for r in reference[:3]]
-
-
-def test_tensor_parallel_ranks_agree(tmp_path):
-    """--tp 2 on CPU: a bit flipped in one rank's KV heads only. That rank's checksum fails, the
-    other's does not; the verdicts are OR-reduced over the TP group, so both ranks abort the same
-    request, neither hangs, and every other request answers as in the clean run."""
-    # one OpenMP core per rank
-    with guarded_engine(tmp_path, 16, env={"SGLANG_CPU_OMP_THREADS_BIND": "0|1"}, tp_size=2) as eng:
-        prompts = workload(8)
-        reference = eng.run(prompts)
-        assert all("error" not in r for r in reference)
-        eng.assert_flip_caught(prompts, reference, rank=0)
-        fresh = eng.run(prompts[:2], tag="fresh")  # both ranks still in step
-        assert [o["output_ids"] for o in fresh] == [r["output_ids"] for r in reference[:2]]
