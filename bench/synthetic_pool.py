@@ -14,6 +14,7 @@ compiled Triton kernels.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import structlog
@@ -23,7 +24,7 @@ from kvguard.config import GuardConfig
 from kvguard.guard import Guard
 from kvguard.kernels.backend import GuardKernels
 from kvguard.metrics import GuardMetrics
-from kvguard.step import StepView
+from kvguard.step import ReadSums, StepView
 from kvguard.verdict import StepVerdict, Violation
 
 structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.CRITICAL))
@@ -56,9 +57,10 @@ class _Engine:
     def __init__(self, pool: SyntheticPool):
         self.pool = pool
 
-    def abort(self, request_handle: object, violation: Violation) -> None:
+    def abort(self, request_handle: object, violation: Violation) -> bool:
         if isinstance(request_handle, Request):
             request_handle.aborted = True
+        return True
 
     def recomputes(self, request_handle: object) -> int:
         return 0
@@ -154,11 +156,14 @@ class SyntheticPool:
         new_tokens: int | list[int] = 1,
         prefix_hit: bool | None = None,
         redirect: dict[tuple[str, int], int] | None = None,
+        before_resolve: Callable[[], None] | None = None,
     ) -> StepVerdict:
         """One forward: each request writes its next ``new_tokens`` tokens (an extend step when
         more than one, or when a request's first forward, else decode). ``redirect`` maps
         (request id, position) to a slot the engine wrongly writes (and records in the table)
-        instead of the one it allocated."""
+        instead of the one it allocated. ``before_resolve``: engine events between the forward and
+        the reading of its verdict (an overlap scheduler checkpoints a chunk into the prefix
+        cache then)."""
         ps = self.ps
         counts = [new_tokens] * len(reqs) if isinstance(new_tokens, int) else list(new_tokens)
         live = [(r, n) for r, n in zip(reqs, counts) if not r.aborted]  # aborted: out of the batch
@@ -210,9 +215,12 @@ class SyntheticPool:
         )
         verdict = self.guard.before_forward(view)
         self.write_kv(view.write_slots, view.write_tokens, view.write_pos)  # after the firewall
-        self.guard.after_forward(verdict)
+        read = self._attention_read(reqs, counts) if self.guard.verifies_reads else None
+        self.guard.after_forward(verdict, read)
         if self.trace is not None:
             self.trace.append(self.snapshot(verdict))
+        if before_resolve is not None:
+            before_resolve()
         violations = self.guard.resolve(verdict, handles=list(reqs))
         self.violations += violations
         for v in violations:
@@ -222,6 +230,20 @@ class SyntheticPool:
         for r, n in zip(reqs, counts):
             r.length += n
         return verdict
+
+    def _attention_read(self, reqs: list[Request], counts: list[int]) -> ReadSums:
+        """Verified reads (``guard.enable_read_path()``): what attention reads, every position
+        of each request this step's writes included, hashed as the gather hashes it (the
+        reference kernel)."""
+        from kvguard.kernels import read_verify_ref as ref
+
+        lens = [r.length + n for r, n in zip(reqs, counts)]
+        rows = torch.cat([self.table[r.row, :n].to(torch.int64) for r, n in zip(reqs, lens)])
+        acc = torch.zeros(rows.numel(), dtype=torch.int64, device=self.device)
+        for i, b in enumerate(self.bufs):
+            ref.gather_rows(b, rows, None, ref.buffer_constants(i, b[0].numel()), acc)
+        req_rows = torch.tensor([r.row for r in reqs], dtype=torch.int64, device=self.device)
+        return ReadSums(rows, lens, req_rows, acc, list(range(len(self.bufs))))
 
     def write_kv(self, slots: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor) -> None:
         """The forward's KV writes: bytes a function of (token, position, buffer)."""

@@ -19,14 +19,18 @@ from kvguard.verdict import Kind, Violation, new_violation_id
 class EngineControl(Protocol):
     """What an engine adapter lets the guard do."""
 
-    def abort(self, request_handle: object, violation: Violation) -> None: ...
+    def abort(self, request_handle: object, violation: Violation) -> bool:
+        """Finish the request with an error naming the violation. False: it had finished
+        already (a step in flight flagged it again): nothing more is aborted."""
+        ...
 
     def recomputes(self, request_handle: object) -> int:
         """How often this request was sent back to be recomputed so far."""
         ...
 
     def recomputing(self, request_handle: object) -> bool:
-        """Already sent back and not re-queued yet (a step in flight read its old KV too)."""
+        """Already sent back and not re-queued yet (a step in flight read its old KV too), or
+        finished: nothing of it is served again either way."""
         ...
 
     def recompute(self, request_handle: object, violation: Violation) -> bool:
@@ -71,18 +75,18 @@ class Actions:
                 and self._heal(violation, handle, breaker_open)
             ):
                 continue
-            self._record(violation)
-            if handle is not None and self.engine is not None:
-                self.engine.abort(handle, violation)
-                self.metrics.requests_aborted.inc()
+            self._abort(violation, handle)
 
     def abort(self, violations: list[Violation], handles: list[object]) -> None:
         """Abort every one of them (a step the guard could not judge)."""
         for violation, handle in zip(violations, handles):
-            self._record(violation)
-            if handle is not None and self.engine is not None:
-                self.engine.abort(handle, violation)
-                self.metrics.requests_aborted.inc()
+            self._abort(violation, handle)
+
+    def _abort(self, violation: Violation, handle: object) -> None:
+        self._record(violation)
+        engine = self.engine
+        if handle is not None and engine is not None and engine.abort(handle, violation):
+            self.metrics.requests_aborted.inc()
 
     def _heal(self, violation: Violation, handle: object, breaker_open: bool) -> bool:
         if self.healing is None or self.engine is None:

@@ -443,11 +443,32 @@ class Guard:
                 violations.append(forensic_record(verdict, b, kind, self.ledger, self.records))
             bad.append(handles[b])
         self.actions.act(violations, bad, breaker_open)
+        if verdict is not None and bad:
+            poisoned = self._poisoned_nodes(verdict, kinds)
+            if poisoned[0].numel():
+                taint = poisoned if taint is None else _union([taint, poisoned])
         if taint is not None and taint[0].numel():
             self._quarantine(taint, step)
         if reclaim is not None and reclaim[0].numel():
             self.actions.reclaim(reclaim[0], reclaim[1], step)
         return violations
+
+    def _poisoned_nodes(self, verdict: StepVerdict, kinds: torch.Tensor) -> PageEpochs:
+        """Pages flagged requests wrote this step that the prefix cache holds by now: computed
+        from what those requests read, they must never be adopted (a chunked prefill's chunk is
+        checkpointed into the tree before its verdict is read; on a single rank the insert asks
+        the unread verdict and bars it, with tensor parallelism it cannot). The same on every
+        rank: the kinds are agreed and every ledger sees the same engine events."""
+        x, c = verdict.inputs, verdict.check
+        if x.write_slots.numel() == 0:
+            return _NO_PAGES
+        flagged = kinds.to(self.device) != 0
+        mine = flagged[x.batch_index()] & c.write_ok
+        if not bool(mine.any()):
+            return _NO_PAGES
+        pages = torch.unique(self.ledger.pages_of(c.targets[mine]))
+        pages = pages[self.ledger.state[pages] == PageState.SHARED]
+        return pages.cpu(), self.ledger.epoch[pages].cpu()
 
     def _quarantine(self, taint: PageEpochs, step: int) -> None:
         new, were_free = self.actions.quarantine(taint[0], taint[1], step)
@@ -719,8 +740,11 @@ class Guard:
         self._seconds += clock() - t0
 
     def flush_metrics(self) -> None:
-        """Send the counters gathered since the last flush (the engine calls this when idle)."""
+        """Send the counters gathered since the last flush (the engine calls this when idle),
+        and let the recompute breaker close once its minute has passed (it is otherwise asked
+        only when a step has something to heal)."""
         self._flush_metrics(force=True)
+        self.healing.breaker_open()
 
     def _flush_metrics(self, force: bool = False) -> None:
         """Counters reach Prometheus at most every FLUSH_EVERY_S seconds while serving (each
@@ -732,6 +756,7 @@ class Guard:
         if not force and now - self._flushed_at < FLUSH_EVERY_S:
             return
         self._flushed_at = now
+        self.healing.breaker_open()  # its gauge follows the trailing minute while serving
         m = self.metrics
         m.check_seconds.inc(self._seconds)
         if self._steps:

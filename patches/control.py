@@ -25,7 +25,7 @@ class SGLangControl:
         from sglang.srt.managers.schedule_batch import FINISH_ABORT
 
         if req.finished():
-            return  # already finished and released: nothing of it is served again
+            return False  # already finished and released: nothing of it is served again
         reason = FINISH_ABORT(
             violation.message, HTTPStatus.INTERNAL_SERVER_ERROR, "KVCacheIntegrityError"
         )
@@ -38,21 +38,20 @@ class SGLangControl:
             req.discard_output_reason = reason
             req.kvguard_released = True
             sched._pending_chunked_abort_req = req
-            return
+            return True
         req.finished_reason = reason
+        return True
 
     def recomputes(self, req) -> int:
         return getattr(req, "kvguard_recomputes", 0)
 
     def recomputing(self, req) -> bool:
-        return req in self.recompute_pending
+        return req.finished() or req in self.recompute_pending
 
     def recompute(self, req, violation) -> bool:
         """Mark the request retracted: the result loop commits and streams nothing of this step
         (nor of a step already in flight); ``recompute.release_for_recompute`` releases its KV
         after the loop and ``recompute.before_next_batch`` re-queues it."""
-        if req.finished():
-            return True  # already finished and released: nothing of it is served again
         why_not = _cannot_recompute(req)
         if why_not is not None:
             violation.why_not_healed = why_not

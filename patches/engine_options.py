@@ -56,7 +56,7 @@ class Row(NamedTuple):
 
 # -- tests the rows cite -------------------------------------------------------------------------
 _ENGINE = "tests/test_guard_engine.py::test_each_injected_bug_aborts_only_its_victims"
-_TP = "tests/test_guard_engine.py::test_tensor_parallel_ranks_agree"
+_TP = "tests/test_heal_engine.py::test_tensor_parallel_ranks_heal_alike"
 _FP8 = "tests/test_fp8_kv.py::test_engine_fp8_kv_paranoid_guard_close_to_bf16"
 _OPTION = "tests/test_engine_options.py::test_guarded_option_serves_and_catches_a_flip"
 _PRIORITY = "tests/test_engine_options.py::test_priority_preemption_is_guarded"

@@ -132,6 +132,7 @@ def give_up(scheduler, req) -> None:
     req.finished_reason = reason
     req.kvguard_violation = violation
     state.guard.log("error", "kvguard_recompute_failed", **violation.as_event())
+    state.guard.metrics.requests_aborted.inc()
     try:
         if req.kv.holds_kv:
             from kvguard.patches.control import release_aborted
