@@ -163,7 +163,9 @@ def batch_writes(batch) -> list[tuple[object, int, int]]:
 def _computes(batch) -> dict[int, int]:
     """id(request) -> index of the output token this forward computes for it: its sequence
     length (positions read, this forward's included) less its prompt (a decode step writing
-    position p reads output token p - prompt and computes the next one; a prefill, token 0)."""
+    position p reads output token p - prompt and computes the next one; a prefill, token 0). A
+    prefill again of a request's prompt and the tokens it kept (a recompute, a retraction)
+    computes the token after those, whichever chunk of it this is."""
     if batch is None or not batch.reqs:
         return {}
     lens = getattr(batch, "seq_lens_cpu", None)
@@ -171,15 +173,20 @@ def _computes(batch) -> dict[int, int]:
         lens = batch.seq_lens
     if lens is None:
         return {}
+    prefills = {id(req) for req, _ in extend_starts(batch).values()}
     return {
-        id(req): max(0, int(n) - len(req.origin_input_ids))
+        id(req): max(
+            0,
+            int(n) - len(req.origin_input_ids),
+            len(req.output_ids) if id(req) in prefills else 0,
+        )
         for req, n in zip(batch.reqs, lens.tolist())
     }
 
 
-def extend_starts(batch) -> dict[str, int]:
-    """rid -> first position this forward writes, for every request an extend forward prefills
-    (a mixed batch's decodes, one token each, left out)."""
+def extend_starts(batch) -> dict[str, tuple[object, int]]:
+    """rid -> (request, first position this forward writes), for every request an extend
+    forward prefills (a mixed batch's decodes, one token each, left out)."""
     if batch is None or not batch.reqs or batch.prefix_lens is None:
         return {}
     mode = batch.forward_mode
@@ -188,7 +195,7 @@ def extend_starts(batch) -> dict[str, int]:
     mixed = getattr(mode, "is_mixed", lambda: False)()
     lens = batch.extend_lens if batch.extend_lens is not None else [None] * len(batch.reqs)
     return {
-        req.rid: int(start)
+        req.rid: (req, int(start))
         for req, start, n in zip(batch.reqs, batch.prefix_lens, lens)
         if not (mixed and n == 1)
     }
@@ -202,7 +209,8 @@ class Scan:
         self.ps = sched.token_to_kv_pool_allocator.page_size
         self.tokens = Tokens()
         self.writes: list[tuple[object, int, int]] = []
-        self.starts: dict[str, int] = {}  # rid -> first position an extend forward writes
+        # rid -> (request, first position an extend forward writes)
+        self.starts: dict[str, tuple[object, int]] = {}
         self.holders: list[Holder] = []
         self.by_page: dict[int, list[Holder]] = {}  # watched page -> its live holders
         self.free: set[int] = set()
@@ -258,6 +266,8 @@ class Watch:
         self.spans: dict[str, list[list]] = {}
         # rid -> [[step, output tokens kept], ...]: prefilled again after reading wrong KV
         self.restarts: dict[str, list[list[int]]] = {}
+        # rid -> [[token, slot, position, what the slot held], ...]: the read that opened a span
+        self.wrong_reads: dict[str, list[list]] = {}
         self._high: dict[str, int] = {}  # poisoned rid -> positions it has written (0..high-1)
         self.exposed: set[str] = set()
         self.transient: dict[int, Content] = {}  # what this forward's readers see (in flight)
@@ -297,19 +307,28 @@ class Watch:
             self._saved = kvbytes.snapshot(pool, slots)
         grew = self._judge(scan, step)
         self._poison_writes(scan)
+        self._note_written(scan)
         self.transient = {}
         return grew or restarted
 
+    def _note_written(self, scan: Scan) -> None:
+        """How far the requests this watch follows (poisoned ones, bad writers) have written."""
+        for req, pos, _ in scan.writes:
+            if req.rid in self.poisoned or req.rid in self.foreign:
+                self._high[req.rid] = max(self._high.get(req.rid, 0), pos + 1)
+
     def _restarted(self, scan: Scan, step: int) -> bool:
-        """A poisoned request prefilled from below the positions it already wrote threw its KV
-        away (kvguard's recompute, SGLang's retraction) and computes it again from its prompt
-        and the output tokens it kept: the tokens from there on are computed again, from fresh
-        reads. Its span of tokens from wrong KV closes at the kept count."""
+        """A poisoned request (or a bad writer) prefilled from below the positions it already
+        wrote threw its KV away (kvguard's recompute, SGLang's retraction) and computes it again
+        from its prompt and the output tokens it kept, into rows it was given afresh: the tokens
+        from there on are computed again, from fresh reads, and what it writes is its own KV in
+        its own pages. Its span of tokens from wrong KV closes at the kept count."""
         out = False
-        for rid, start in scan.starts.items():
-            if rid not in self.poisoned or start >= self._high.get(rid, 0):
-                continue  # not poisoned, or the next chunk of the same prefill
-            req = self.poisoned.pop(rid)
+        for rid, (req, start) in scan.starts.items():
+            if start >= self._high.get(rid, 0):
+                continue  # followed by nothing here, or the next chunk of the same prefill
+            self.poisoned.pop(rid, None)
+            self.foreign.pop(rid, None)
             self._high.pop(rid, None)
             kept = len(req.output_ids)
             spans = self.spans.get(rid)
@@ -336,6 +355,7 @@ class Watch:
         if any(landed):
             self._judge(scan, step)
             self._poison_writes(scan)
+            self._note_written(scan)
         return True
 
     def _poison_writes(self, scan: Scan) -> None:
@@ -343,7 +363,6 @@ class Watch:
         later (a prefix-cache hit on it): watched from now on."""
         for req, pos, slot in scan.writes:
             if req.rid in self.poisoned:
-                self._high[req.rid] = max(self._high.get(req.rid, 0), pos + 1)
                 self.pages.add(slot // self.ps)
                 self.contents[slot] = Written(namespace(req), pos, req, poisoned=True)
 
@@ -389,10 +408,27 @@ class Watch:
                         spans = self.spans.setdefault(h.rid, [])
                         if not spans or spans[-1][1] is not None:
                             spans.append([h.computes, None])
+                            self._note_read(h, slot, pos, content, scan)
                 return "read wrong KV"
             if verdict == FOREIGN:
                 why = why or "read another tenant's KV"
         return why
+
+    def _note_read(self, h: Holder, slot: int, pos: int, content: Content, scan: Scan) -> None:
+        """Forensics of the read that opened a span: which slot, and what it held."""
+        if isinstance(content, Garbage):
+            what = f"garbage ({content.why})"
+        else:
+            writer = getattr(content.req, "rid", "?")
+            what = (
+                f"poisoned KV of {writer} at {content.pos}"
+                if content.poisoned
+                else f"KV of {writer} at {content.pos}"
+                + ("" if content.pos == pos else " (another position)")
+            )
+        reads = self.wrong_reads.setdefault(h.rid, [])
+        if len(reads) < 4:
+            reads.append([h.computes, slot, pos, what])
 
     @property
     def only_exposed(self) -> list[str]:

@@ -85,6 +85,9 @@ class Settings:
     quarantine_cap: float | None = 0.25
     # KVGUARD_ON_VIOLATION of the guarded servers: heal a request whose KV went bad, or abort it
     on_violation: str = "recompute"
+    # KVGUARD_RECOMPUTE_BREAKER_PER_MINUTE of the guarded servers (None: kvguard's default; 0:
+    # no breaker): a campaign heals far more often than serving does
+    recompute_breaker: int | None = None
 
 
 @dataclass(slots=True)
@@ -162,6 +165,8 @@ class Runner:
             )
         if run.mode not in UNGUARDED:  # heal or abort (modes off and canary run no guard)
             env["KVGUARD_ON_VIOLATION"] = self.s.on_violation
+            if self.s.recompute_breaker is not None:
+                env["KVGUARD_RECOMPUTE_BREAKER_PER_MINUTE"] = str(self.s.recompute_breaker)
         if self.s.context_length:  # a longer context than the model's own (RoPE extrapolates)
             env["SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN"] = "1"
         srv = ServeProcess(

@@ -167,6 +167,15 @@ def parser() -> argparse.ArgumentParser:
         "(KVGUARD_ON_VIOLATION): recompute it (heal: modes verified and paranoid; the others "
         "abort) or abort it (default: recompute)",
     )
+    p.add_argument(
+        "--recompute-breaker",
+        type=int,
+        default=None,
+        metavar="N",
+        help="KVGUARD_RECOMPUTE_BREAKER_PER_MINUTE of the guarded servers: past N recomputes in "
+        "a minute they abort instead (default: kvguard's own; 0: no breaker). A campaign heals "
+        "far more often than serving does: a large one may open it",
+    )
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument(
         "--rejudge",
@@ -241,6 +250,7 @@ def settings_from(args: argparse.Namespace) -> Settings:
         context_length=args.context_length,
         quarantine_cap=args.quarantine_cap or None,
         on_violation=args.on_violation,
+        recompute_breaker=args.recompute_breaker,
     )
 
 

@@ -144,6 +144,7 @@ def injections_from_log(events: list[dict], planned: list[dict]) -> dict[int, di
             "read_at": {},  # victim -> first output token it computed from wrong KV
             "wrong_kv": {},  # victim -> [[from, to or None], ...]: tokens from wrong KV
             "restarts": {},  # victim -> [[step, tokens kept], ...]: prefilled again after
+            "wrong_reads": {},  # victim -> [[token, slot, position, what it held], ...]
             "detail": None,
             "pending": False,
             "bad_writes": [0, 0],  # writes into pages the writer does not own: landed, made
@@ -165,7 +166,7 @@ def injections_from_log(events: list[dict], planned: list[dict]) -> dict[int, di
         elif kind == "unfired":  # an in-forward flip whose layer never ran: nothing changed
             rec["victims"], rec["exposed"], rec["why"] = {}, {}, {}
             rec["pending"], rec["unfired"], rec["read_at"] = True, True, {}
-            rec["wrong_kv"], rec["restarts"] = {}, {}
+            rec["wrong_kv"], rec["restarts"], rec["wrong_reads"] = {}, {}, {}
             rec["detail"] = {**(rec["detail"] or {}), **(ev.get("detail") or {})}
         elif kind in ("injected", "victims", "landed", "fired") and not rec.get("unfired"):
             if kind == "injected":
@@ -181,7 +182,7 @@ def injections_from_log(events: list[dict], planned: list[dict]) -> dict[int, di
                 rec["why"].setdefault(rid, why)
             for rid, at in (ev.get("read_at") or {}).items():
                 rec["read_at"].setdefault(rid, at)
-            for key in ("wrong_kv", "restarts"):  # each event has the whole state: latest wins
+            for key in ("wrong_kv", "restarts", "wrong_reads"):  # whole state: latest wins
                 rec[key].update(ev.get(key) or {})
     for rec in out.values():  # a request first exposed, later a victim, is a victim
         rec["exposed"] = {r: s for r, s in rec["exposed"].items() if r not in rec["victims"]}
@@ -402,6 +403,11 @@ def classify(
             rec["tokens_from_wrong_kv"] = tokens_in_spans(spans, sent_n)
             if any(hi is not None for _, hi in spans):
                 rec["wrong_kv_spans"] = sorted(spans, key=lambda sp: sp[0])
+            reads = [
+                x for i in ids for x in (injections[i].get("wrong_reads") or {}).get(r.rid, [])
+            ]
+            if reads and rec["tokens_from_wrong_kv"]:
+                rec["wrong_reads"] = reads[:8]
         restarts = [x for i in ids for x in (injections[i].get("restarts") or {}).get(r.rid, [])]
         if restarts:
             rec["restarts"] = sorted(restarts)
@@ -421,6 +427,9 @@ def classify(
             rec["guard_step"] = first_step
             rec["guard_kinds"] = sorted({k for e in evs for k in e.get("kinds") or []})
             rec["guard_actions"] = [e.get("action", "abort") for e in evs]
+            why_not = [e["why_not_healed"] for e in evs if e.get("why_not_healed")]
+            if why_not:  # recompute was configured, and the guard aborted it anyway: why
+                rec["why_not_healed"] = why_not[-1]
             # did the guard find KV bytes that changed (a digest mismatch), or only a state it
             # distrusts (quarantined page, owner, epoch) over bytes that still verify?
             rec["guard_saw_changed_kv"] = any(

@@ -292,6 +292,7 @@ def _record(st, inj, event):
             # to is where a restart (recompute, retraction) began computing them again
             "wrong_kv": w.spans,
             "restarts": w.restarts,  # rid -> [[step, output tokens kept], ...]
+            "wrong_reads": w.wrong_reads,  # rid -> the reads that opened its spans
             "detail": inj.detail,
             "pending": inj.pending is not None,  # a stale write not landed yet
             "bad_writes": [w.bad_writes_landed, w.bad_writes],  # landed, made (shared_write)

@@ -136,6 +136,11 @@ def summarize(cfg: dict) -> dict:
         # streams that took back tokens they had sent (a chunk counting fewer than before)
         "streams_withdrawn": sum(1 for r in reqs if r.get("stream_withdrawn")),
         "clean_pass_guard_recomputes": len(cfg.get("clean_guard_recomputes", [])),
+        # aborts where recompute was configured: why the guard did not heal (budget spent,
+        # breaker open, a mode that does not verify reads, a step it could not judge)
+        "not_healed": dict(
+            Counter(r["why_not_healed"] for r in reqs if r.get("why_not_healed")).most_common()
+        ),
     }
 
 
@@ -521,6 +526,7 @@ def _aborts_table(report: dict) -> list[str]:
         "not own (`shared_write`), landed of made (the page's bytes changed): a write firewall "
         "lands none.",
         "",
+        *_not_healed_lines(report),
         "| configuration | class | injections run | victims recomputed | collateral recomputed | "
         "recomputes | victims aborted | collateral aborted | escaped | client-visible errors | "
         "aborts per injection | bad writes landed |",
@@ -538,6 +544,17 @@ def _aborts_table(report: dict) -> list[str]:
             f"{a.get('victims_aborted', 0)} | {a.get('collateral', 0)} | "
             f"{a.get('escaped_requests', 0)} | {a.get('client_errors', 0)} | {per} | {writes} |"
         )
+    return out + [""]
+
+
+def _not_healed_lines(report: dict) -> list[str]:
+    rows = [c for c in report["configs"] if c["summary"].get("not_healed")]
+    if not rows:
+        return []
+    out = ["Aborts where recompute was configured, by the guard's reason:", ""]
+    for c in rows:
+        why = "; ".join(f"{k}: {n}" for k, n in c["summary"]["not_healed"].items())
+        out.append(f"- {c['mode']} ps{c['page_size']}: {why}")
     return out + [""]
 
 

@@ -13,7 +13,7 @@ from types import SimpleNamespace
 
 import torch
 
-from kvguard.fuzz.accounting import Garbage, Scan, Watch
+from kvguard.fuzz.accounting import Garbage, Scan, Watch, Written
 from kvguard.fuzz.client import Response, StreamFold
 from kvguard.fuzz.oracle import (
     classify,
@@ -108,7 +108,11 @@ def test_oracle_scores_recomputed_requests():
     ]
     injections = _inj(events, [{"id": 1, "cls": "bit_flip"}, {"id": 2, "cls": "premature_free"}])
     log = [_ev(k, f"kvg-{k}", "recompute", 1) for k in "abcdfgj"]
-    log += [_ev("e", "kvg-e1", "recompute", 1), _ev("e", "kvg-e2", "abort", 1, step=24)]
+    spent = {
+        **_ev("e", "kvg-e2", "abort", 1, step=24),
+        "why_not_healed": "recompute budget spent (1)",
+    }
+    log += [_ev("e", "kvg-e1", "recompute", 1), spent]
     log += [_ev("i", "kvg-i", "abort", 0, step=21)]
     records, injections = classify(ref, responses, injections, guard_violations(log))
     by = {r["key"]: r for r in records}
@@ -159,6 +163,8 @@ def test_oracle_scores_recomputed_requests():
     assert s["aborts_by_class"]["bit_flip"]["victims_recomputed"] == 5
     assert s["aborts_by_class"]["premature_free"]["client_errors"] == 1
     assert s["injections"]["escaped"] == 1 and s["on_violation"] == "recompute"
+    assert s["not_healed"] == {"recompute budget spent (1)": 1}
+    assert by["e"]["why_not_healed"] == "recompute budget spent (1)"
     cfg["summary"] = s
     bad = verdict(cfg)
     assert not any("recompute" in b for b in bad)  # healed requests are no failure
@@ -412,6 +418,46 @@ def test_a_late_recompute_keeps_the_tokens_that_left_and_a_chunk_is_no_restart()
     assert watch.spans == {"r": [[0, 2], [2, None]]} and watch.restarts == {"r": [[5, 2]]}
     assert "r" in watch.poisoned  # it reads the flipped slot again
     assert tokens_in_spans(watch.spans["r"], 2) == 2
+
+
+def test_a_chunked_reprefill_computes_the_token_after_those_kept():
+    """A re-prefill of prompt + kept tokens in chunks: a chunk that reads wrong KV taints the
+    first token the re-prefill computes (the kept count), not token 0."""
+    w = _World()
+    req = w.req("r", [1, 2, 3, 4, 5, 6, 7, 8], 0, [0, 1, 2, 3, 4, 5, 6, 7])
+    req.kv.kv_committed_len = 8
+    req.output_ids = [9, 10, 11]
+    w.place(req, 0, list(range(11)))
+    watch = Watch(PS, 1, {2: Garbage("bit_flip")})
+    w.step(watch, w.decode(req, 10), 1)  # computes token 3 reading slot 2
+    assert watch.spans == {"r": [[3, None]]}
+    # prefilled again: a prefix-cache hit on the flipped page, then a first chunk of 4 of the 7
+    # tokens left (it computes no token)
+    w.place(req, 1, [0, 1, 2, 3, 20, 21, 22, 23, 24, 25, 26])
+    w.step(watch, w.extend(req, 4, [20, 21, 22, 23]), 2)
+    assert watch.spans == {"r": [[3, 3], [3, None]]}
+    assert watch.wrong_reads["r"][-1] == [3, 2, 2, "garbage (bit_flip)"]
+
+
+def test_a_bad_writer_prefilled_again_writes_its_own_kv():
+    """shared_write's writer (its writes into the watched page are checked for landing) that is
+    recomputed gets rows afresh: its writes into pages it is given now are its own KV, no bad
+    write."""
+    w = _World()
+    other = w.req("o", [1, 2, 3, 4], 1, [0, 1, 2, 3])
+    other.kv.kv_committed_len = 4
+    watch = Watch(PS, 1, {s: Written((None, None), s, other) for s in range(4)})
+    writer = w.req("w", [1, 2, 3, 4], 0, [8, 9, 10, 11])
+    writer.kv.kv_committed_len = 4
+    writer.output_ids = [7]
+    watch.foreign["w"] = writer
+    w.step(watch, w.decode(writer, 12), 1)  # writes outside the watched page: how far it got
+    writer.output_ids = [7, 8]
+    w.step(watch, w.decode(writer, 13), 2)
+    w.place(writer, 2, [0, 1, 2, 3, 4])  # re-prefilled into the page, freed and given to it
+    assert w.step(watch, w.extend(writer, 0, [0, 1, 2, 3, 4]), 3)
+    assert "w" not in watch.foreign and watch.restarts == {"w": [[3, 2]]}
+    assert watch.bad_writes == 0 and watch.contents[0].req is writer
 
 
 def test_mixed_batch_decodes_are_no_restart():
