@@ -1,7 +1,10 @@
 """Short fault-injection campaigns against a real kvguard-serve (page size 16): every injected
-corruption must be aborted or harmless, no clean request aborted, no request aborted that only
-held a page an injection involved (collateral), the server alive and no KV held once idle; and
-the tenant barrier (cross_tenant) holding. ~3-5 min each on two loaded cores (one server start,
+corruption must be healed, aborted or harmless, no clean request aborted, no request aborted that
+only held a page an injection involved (collateral), the server alive and no KV held once idle;
+and the tenant barrier (cross_tenant) holding. The guarded servers heal (``on_violation``
+recompute, kvguard's default): in mode paranoid the classes the guard heals must cost their
+clients no error at all (a healed request's output, streamed tokens included, is the clean
+run's), and mode sampled must heal nothing. ~3-5 min each on two loaded cores (one server start,
 two passes of the workload).
 
 The full campaign (see fuzz/results/report.md for the command) runs the same code at scale."""
@@ -199,6 +202,50 @@ def _campaign(tmp_path, **kw) -> tuple[dict, str]:
     return cfg, f"see {tmp_path / 'report.md'}"
 
 
+# Classes whose victims the guard heals (recomputes) in modes verified and paranoid: no client of
+# a request charged to one of them may see an error. The data (seeds 11 and 21, paranoid and
+# verified, page sizes 16 and 1): every class's flagged victims were recomputed, none aborted but
+# one request hit by three injections, aborted once its budget of recomputes was spent (healing
+# may still abort there, and for a step the guard could not judge: guard faults, not injected
+# here). cross_tenant's bad hits were refused (no reader to heal); a reader it flags is healed too.
+HEALED = (
+    "premature_free",
+    "double_allocation",
+    "stale_writer",
+    "read_before_ready",
+    "table_redirect",
+    "table_swap",
+    "stale_prefix",
+    "shared_write",
+    "never_written",
+    "bit_flip",
+    "cross_tenant",
+    "exponent_flip",
+    "in_forward_flip",
+)
+BUDGET_SPENT = "recompute budget spent"  # the guard's reason: healed as often as allowed
+
+
+def _healed(cfg: dict, where: str, classes=HEALED) -> None:
+    """In recompute mode: the guard did heal, and the healed classes cost their clients no error
+    (an abort after the request's recompute budget was spent apart)."""
+    summary = cfg["summary"]
+    assert cfg.get("on_violation") == "recompute", where
+    cls_of = {i["id"]: i["cls"] for i in cfg["injections"]}
+    errors = [
+        r
+        for r in cfg["requests"]
+        if r.get("client_error")
+        and cls_of.get(r.get("charged_to")) in classes
+        and not (r.get("why_not_healed") or "").startswith(BUDGET_SPENT)
+    ]
+    assert not errors, (errors[:5], summary["aborts_by_class"], where)
+    reasons = [k for k in summary["not_healed"] if not k.startswith(BUDGET_SPENT)]
+    assert not reasons, (summary["not_healed"], where)  # no breaker, no unverified mode
+    assert summary["requests_recomputed"] > 0, (summary["aborts_by_class"], where)
+    assert summary["recomputes_then_error"] == 0 and summary["streams_withdrawn"] == 0, where
+
+
 def _no_harm(cfg: dict, where: str) -> None:
     """No wrong output out, no healthy request aborted, nothing failed, server alive, no leak."""
     summary = cfg["summary"]
@@ -240,7 +287,9 @@ def test_short_campaign_paranoid(tmp_path):
         tenant_isolation=True,
     )
     _no_harm(cfg, where)
-    assert cfg["summary"]["injections"]["detected"] >= 3, (cfg["summary"]["injections"], where)
+    outcomes = cfg["summary"]["injections"]
+    assert outcomes["detected"] + outcomes["recomputed"] >= 3, (outcomes, where)
+    _healed(cfg, where)
 
 
 @pytest.mark.campaign
@@ -265,3 +314,6 @@ def test_tenant_barrier_holds(tmp_path):
     ), (outcomes, where)
     clean = cfg["clean"]
     assert clean["tenant_prefix_hits"] > 0 and clean["guard_aborts"] == 0, (clean, where)
+    # sampled cannot vouch for every read: it aborts, whatever on_violation says
+    assert cfg["on_violation"] == "recompute", where
+    assert cfg["summary"]["requests_recomputed"] == 0, (cfg["summary"]["aborts_by_class"], where)

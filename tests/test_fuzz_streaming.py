@@ -10,10 +10,12 @@ layer before the layer reads, composes with a wrapper already installed, restore
 
 Campaign tests (``-m campaign``, ~2 and ~1 min on two cores): a streaming campaign with bit
 flips before and inside the forward, in kvguard-serve's default mode at page sizes 16 and 1,
-fails on any streamed token that differs from the clean run (and on any token computed from
-wrong KV that reached a client, or a victim that completed unnoticed); the same workload in mode
-``tags`` (no checksum at all) must show harm, so that the test can fail. The second runs the
-default mode with read sets past the sampled budget (a 65,536-token pool, long prompts)."""
+healing (recompute, the default), fails on any streamed token that differs from the clean run
+(a healed stream's too: no token repeated, missing or changed), on any token computed from wrong
+KV that reached a client, a victim that completed unnoticed, or a client error; the same
+workload in mode ``tags`` (no checksum at all) must show harm, so that the test can fail. The
+second runs the default mode aborting instead (``on_violation`` abort) with read sets past the
+sampled budget (a 65,536-token pool, long prompts)."""
 
 from __future__ import annotations
 
@@ -473,7 +475,7 @@ def _no_streamed_harm(cfg: dict, where: str) -> None:
     _no_harm(cfg, where)
     assert summary["streamed_requests"] > 30, where
     flips = summary["by_class"].get("in_forward_flip", {})
-    assert flips.get("detected", 0) >= 1, (summary["by_class"], where)
+    assert flips.get("detected", 0) + flips.get("recomputed", 0) >= 1, (summary["by_class"], where)
 
 
 @pytest.mark.campaign
@@ -485,8 +487,11 @@ def test_streaming_campaign_no_streamed_escape(tmp_path):
     configs, where = _streaming_campaign(
         tmp_path, seed=31, configs=(("default", 16), ("default", 1), ("tags", 16))
     )
+    from test_fuzz_campaign import _healed
+
     for name in ("default-ps16", "default-ps1"):
         _no_streamed_harm(configs[name], f"{name}: {where}")
+        _healed(configs[name], f"{name}: {where}", FLIPS)
     tags = configs["tags-ps16"]["summary"]
     assert tags["tokens_from_wrong_kv"] > 0 and (
         tags["requests"]["escaped"] + tags["requests"]["exposed"] > 0
@@ -496,7 +501,8 @@ def test_streaming_campaign_no_streamed_escape(tmp_path):
 @pytest.mark.campaign
 def test_streaming_campaign_large_reads(tmp_path):
     """The same with read sets past the sampled budget: a 65,536-token pool and a quarter of
-    the prompts 1,500-3,000 tokens long (context 4,096), default mode, page size 16."""
+    the prompts 1,500-3,000 tokens long (context 4,096), default mode, page size 16, the guard
+    aborting instead of healing: every flagged victim aborted, none recomputed."""
     configs, where = _streaming_campaign(
         tmp_path,
         seed=32,
@@ -506,8 +512,12 @@ def test_streaming_campaign_large_reads(tmp_path):
         long_fraction=0.25,
         long_tokens=(1500, 3000),
         context_length=4096,
+        on_violation="abort",
     )
     cfg = configs["default-ps16"]
     _no_streamed_harm(cfg, where)
+    assert cfg["on_violation"] == "abort", where
+    assert cfg["summary"]["requests_recomputed"] == 0, (cfg["summary"]["aborts_by_class"], where)
+    assert cfg["summary"]["requests"]["detected"] >= 1, (cfg["summary"]["by_class"], where)
     reads = cfg["summary"]["read_sets"]
     assert reads["max"] > 2048 and reads["over_512"] > reads["steps"] // 4, (reads, where)
