@@ -9,6 +9,7 @@ from typing import Protocol
 
 import torch
 
+from kvguard.config import OnViolation
 from kvguard.healing import HealPolicy
 from kvguard.ledger import PageLedger
 from kvguard.metrics import GuardMetrics
@@ -29,8 +30,8 @@ class EngineControl(Protocol):
         ...
 
     def recomputing(self, request_handle: object) -> bool:
-        """Already sent back and not re-queued yet (a step in flight read its old KV too), or
-        finished: nothing of it is served again either way."""
+        """Already on its way to a re-prefill (sent back and not re-queued yet, or retracted by
+        the engine itself): a step in flight that read its old KV changes nothing."""
         ...
 
     def recompute(self, request_handle: object, violation: Violation) -> bool:
@@ -83,29 +84,37 @@ class Actions:
             self._abort(violation, handle)
 
     def _abort(self, violation: Violation, handle: object) -> None:
-        self._record(violation)
         engine = self.engine
-        if handle is not None and engine is not None and engine.abort(handle, violation):
-            self.metrics.requests_aborted.inc()
+        if handle is not None and engine is not None:
+            if engine.abort(handle, violation):
+                self.metrics.requests_aborted.inc()
+            else:  # it had finished: nothing of it is served again, nothing to abort
+                violation.action = "none"
+        self._record(violation)
 
     def _heal(self, violation: Violation, handle: object, breaker_open: bool) -> bool:
+        """True: the request is healed (sent back now, or already on its way); else it is to be
+        aborted (``violation.why_not_healed`` says why, where recompute was asked)."""
         if self.healing is None or self.engine is None:
             return False
-        if self.engine.recomputing(handle):
-            return True  # the same request, its output of this step dropped with it: no news
+        if self.healing.config.on_violation is not OnViolation.RECOMPUTE:
+            return False
         done = self.engine.recomputes(handle)
+        if self.engine.recomputing(handle):
+            # Seen again by a step launched before it was sent back (or while SGLang itself had
+            # retracted it): that step's output is dropped with it and it re-prefills anyway.
+            violation.action, violation.recomputes = "recompute", done
+            self._record(violation)
+            return True
         why = self.healing.why_not(violation.kinds, done, breaker_open)
-        violation.recomputes = done
         if why is None:
             violation.action, violation.recomputes = "recompute", done + 1
             if self.engine.recompute(handle, violation):
                 self.healing.healed()
                 self._record(violation)
                 return True
-            why = "the engine cannot requeue this request"
-        violation.action, violation.recomputes = "abort", done
-        if why != "on_violation=abort":
-            violation.why_not_healed = why
+            why = violation.why_not_healed or "the engine cannot requeue this request"
+        violation.action, violation.recomputes, violation.why_not_healed = "abort", done, why
         return False
 
     def quarantine(

@@ -145,6 +145,9 @@ class Guard:
         # A quarantine happened: the engine should drop its prefix cache at its next idle moment
         # (nodes over pages an engine bug touched; quarantined ones among them are scrubbed).
         self.flush_wanted = False
+        # A violation happened since the prefix cache was last flushed: a node of it may hold a
+        # page an engine bug handed to someone else (inserts then check what they would adopt)
+        self.tree_suspect = False
         self.num_internal_errors = 0  # since start: a failed free may have leaked pages
         self.last_quarantine_step = -(1 << 62)
         self._release_row: int | None = None
@@ -443,7 +446,10 @@ class Guard:
                 violations.append(forensic_record(verdict, b, kind, self.ledger, self.records))
             bad.append(handles[b])
         self.actions.act(violations, bad, breaker_open)
-        if verdict is not None and bad:
+        self.tree_suspect = True  # the prefix cache may hold a node a fault touched
+        self.flush_wanted = True  # ... until it is flushed at the next idle moment
+        if verdict is not None and bad and not bool((kinds & int(Kind.GUARD_ERROR)).any()):
+            # (a step some rank could not judge: that rank has no verdict to name pages from)
             poisoned = self._poisoned_nodes(verdict, kinds)
             if poisoned[0].numel():
                 taint = poisoned if taint is None else _union([taint, poisoned])
@@ -618,7 +624,7 @@ class Guard:
             self.metrics.pages_scrubbed.inc(n)
         self._quarantine_changed()
         self.records.reset()
-        self.flush_wanted = False
+        self.flush_wanted = self.tree_suspect = False
         self._double_freed.clear()
         self._stale_freed.clear()
         self._flush_metrics(force=True)
@@ -657,6 +663,12 @@ class Guard:
             if v.read_pages is not None and v.read_pages.numel():
                 return bool(torch.isin(pages, v.read_pages.to(pages.device)).any())
         return False
+
+    def in_unresolved_step(self, request_id: str) -> bool:
+        """Was this request in the newest step whose verdict is not read yet? (Answered from the
+        step's own request list: the same on every tensor-parallel rank.)"""
+        v = self._unresolved
+        return v is not None and request_id in (v.view.request_ids or ())
 
     def adoptable(self, slots: torch.Tensor, tokens: list[int], seed: int = 0) -> bool:
         """Would a reader with these prompt tokens (and chain seed) adopt these prefix-cache slots

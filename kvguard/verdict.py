@@ -88,7 +88,8 @@ class Violation:
     request: str | None  # engine request id; None for engine-level events (double free)
     row: int | None
     pages: list[dict[str, object]] = field(default_factory=list)  # suspect pages, with history
-    action: str = "abort"  # what became of the request: "abort" or "recompute"
+    # what became of the request: "abort", "recompute", or "none" (it had finished already)
+    action: str = "abort"
     recomputes: int = 0  # how often the request has been recomputed, this one included
     why_not_healed: str | None = None  # an abort where recompute was configured: why
 

@@ -38,21 +38,29 @@ def _before_insert(cache, req, kwargs):  # type: ignore[no-untyped-def]
     """What to do with this insert: "skip" it, "bar" the request's own KV from the tree, or
     (row, start, slots before) to follow it."""
     guard = state.guard
-    if state.single_rank() and "up_to" in kwargs and guard.suspect_before_resolve(req.rid):
-        # Flagged by a step whose verdict is not read yet (it aborts this request next): what it
-        # computed stays out of the prefix cache. Inserting only the part the tree already
-        # holds keeps SGLang's own bookkeeping (locks, release of the rest) on its usual path.
-        guard.log("warning", "kvguard_tree_insert_skipped", request=req.rid, reason="flagged")
+    if "up_to" in kwargs and (
+        guard.suspect_before_resolve(req.rid)
+        if state.single_rank()
+        else guard.in_unresolved_step(req.rid)
+    ):
+        # A chunk checkpointed before its step's verdict is read (the overlap scheduler stashes
+        # a chunked prefill's chunk while that step's result waits): on a single rank, a chunk
+        # the verdict flags stays out of the prefix cache; with tensor parallelism the ranks'
+        # unread verdicts differ until agreed, so every such chunk waits (it enters at a
+        # checkpoint after its verdict was read). Inserting only the part the tree already holds
+        # keeps SGLang's own bookkeeping (locks, release of the rest) on its usual path.
+        if state.single_rank():  # (with TP every chunk waits: not news)
+            guard.log("warning", "kvguard_tree_insert_skipped", request=req.rid, reason="flagged")
         return "bar"
-    if (guard.ledger.num_quarantined or guard.contained_faults) and _insert_meets_bad_node(
+    if (guard.ledger.num_quarantined or guard.tree_suspect) and _insert_meets_bad_node(
         cache, req, kwargs.get("up_to")
     ):
         # The tree would swap this request's pages for its own copies, and some of those are
         # quarantined or not the request's own tokens any more (an engine bug handed a node's
         # page to someone else): keep the request on its own pages (as if barred from the tree
         # this once). A recomputed request would otherwise be bound again to the very page
-        # that failed it. Asked only once a fault was seen: until then the tree holds no bad node
-        # the step check has not flagged.
+        # that failed it. Asked only between a violation and the next prefix-cache flush: until
+        # then the tree holds no bad node the step check has not flagged.
         guard.log("warning", "kvguard_tree_insert_skipped", request=req.rid)
         return "skip"
     t0 = clock()
@@ -79,6 +87,9 @@ def _after_insert(req, row: int, start: int, before) -> None:  # type: ignore[no
 
 
 def _insert_meets_bad_node(cache, req, up_to) -> bool:
+    guard = state.guard
+    if not (guard.ledger.num_quarantined or guard.host_reads_free):
+        return False  # nothing this rank can answer without a device sync
     from sglang.srt.mem_cache.base_prefix_cache import MatchPrefixParams
     from sglang.srt.mem_cache.common import _req_radix_key
 
@@ -89,7 +100,6 @@ def _insert_meets_bad_node(cache, req, up_to) -> bool:
     n = result.device_prefix_len
     if not n:
         return False
-    guard = state.guard
     slots = cache.path_device_indices(result.last_device_node)[:n]
     if guard.ledger.num_quarantined and guard.holds_quarantined(slots):
         return True

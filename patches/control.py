@@ -26,6 +26,11 @@ class SGLangControl:
 
         if req.finished():
             return False  # already finished and released: nothing of it is served again
+        if req in self.recompute_pending:  # sent back, then failed closed: aborted after all
+            self.recompute_pending.remove(req)
+            req.is_retracted = False
+        if req in self.awaiting_token:
+            self.awaiting_token.remove(req)
         reason = FINISH_ABORT(
             violation.message, HTTPStatus.INTERNAL_SERVER_ERROR, "KVCacheIntegrityError"
         )
@@ -46,12 +51,19 @@ class SGLangControl:
         return getattr(req, "kvguard_recomputes", 0)
 
     def recomputing(self, req) -> bool:
-        return req.finished() or req in self.recompute_pending
+        if req.finished():
+            return False
+        # SGLang's own retraction (memory pressure, priority preemption) released it and
+        # re-queued it already: it re-prefills as a healed request would
+        return req in self.recompute_pending or (req.is_retracted and not req.kv.holds_kv)
 
     def recompute(self, req, violation) -> bool:
         """Mark the request retracted: the result loop commits and streams nothing of this step
         (nor of a step already in flight); ``recompute.release_for_recompute`` releases its KV
         after the loop and ``recompute.before_next_batch`` re-queues it."""
+        if req.finished():
+            violation.why_not_healed = "the request had finished"
+            return False
         why_not = _cannot_recompute(req)
         if why_not is not None:
             violation.why_not_healed = why_not

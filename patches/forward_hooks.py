@@ -132,4 +132,6 @@ def around_process_batch_result(original, scheduler, batch, result, *args, **kwa
         except Exception as exc:  # not healed after all: aborted as it would have been
             guard.internal_error("recompute", exc)
             recompute.give_up(scheduler, req)
+    if state.control.awaiting_token:
+        recompute.account_recomputed()
     return out

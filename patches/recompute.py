@@ -22,6 +22,8 @@ import torch
 
 from kvguard.patches import state
 
+AWAIT_LIMIT_S = 600.0  # a request sent back and never re-prefilled (dropped) is forgotten then
+
 
 def pending_in(reqs) -> list:
     """The requests of this batch sent back to be recomputed (and not released yet)."""
@@ -42,7 +44,8 @@ def release_for_recompute(scheduler, req) -> None:
     guard = state.guard
     req.kvguard_recompute_t0 = time.monotonic()
     req.kvguard_recompute_out = len(req.output_ids)
-    state.control.awaiting_token.append(req)
+    if req not in state.control.awaiting_token:
+        state.control.awaiting_token.append(req)
     if req.kv.holds_kv:
         row = int(req.kv.req_pool_idx)
         own = guard.private_pages(row)
@@ -83,10 +86,15 @@ def before_next_batch(scheduler, batches: dict) -> None:
         batch = batches.get(name, getattr(scheduler, name, None))
         if batch is not None and any(r in pending for r in batch.reqs):
             batch.filter_batch(reqs_to_exclude=[r for r in batch.reqs if r in pending])
+    for req in [r for r in pending if r.finished()]:  # aborted meanwhile (client, fail-closed)
+        pending.remove(req)
     in_flight = {id(r) for b, _ in getattr(scheduler, "result_queue", ()) for r in b.reqs}
+    queued = {id(r) for r in scheduler.waiting_queue}
     ready = [r for r in pending if id(r) not in in_flight and not r.kv.holds_kv]
     for req in ready:
         pending.remove(req)
+        if id(req) in queued:  # SGLang re-queued it itself (its own retraction)
+            continue
         req.kvguard_recompute_tokens = len(req.origin_input_ids) + len(req.output_ids)
         scheduler._add_request_to_queue(req, is_retracted=True)
         state.guard.log(
@@ -102,8 +110,11 @@ def account_recomputed() -> None:
     """After a batch's results: requests sent back whose re-prefill has produced their next
     token (or that finished otherwise) are counted, with the time it took."""
     guard, waiting = state.guard, state.control.awaiting_token
+    now = time.monotonic()
     for req in list(waiting):
         if len(req.output_ids) <= req.kvguard_recompute_out and not req.finished():
+            if now - req.kvguard_recompute_t0 > AWAIT_LIMIT_S:  # dropped while queued
+                waiting.remove(req)
             continue
         waiting.remove(req)
         guard.metrics.recompute_seconds.inc(time.monotonic() - req.kvguard_recompute_t0)
@@ -138,6 +149,7 @@ def give_up(scheduler, req) -> None:
             from kvguard.patches.control import release_aborted
 
             release_aborted(scheduler, req)
-    finally:
-        req.kvguard_released = True
-        scheduler.send_abort_output(_make_abort_req(req, finished_reason=reason.to_json()), req)
+    except Exception as exc:  # its pages stay held (a leak the idle repair finds), no more
+        state.guard.internal_error("release", exc)
+    req.kvguard_released = True
+    scheduler.send_abort_output(_make_abort_req(req, finished_reason=reason.to_json()), req)

@@ -432,6 +432,7 @@ SGLANG_NAMES = [
     (f"{_SCHED}._add_request_to_queue", "callable", "recompute", "re-queue a request sent back (is_retracted=True)"),
     (f"{_SCHED}.send_abort_output", "callable", "recompute", "abort a request whose healing failed, outside the result loop"),
     ("sglang.srt.managers.scheduler._make_abort_req", "callable", "recompute", "its abort message"),
+    (f"{_SCHED}.waiting_queue", "attribute", "recompute", "a request SGLang re-queued itself is not re-queued twice"),
     (f"{_SCHED}.result_queue", "attribute", "recompute", "batches launched, results not processed (overlap)"),
     (f"{_SCHED}.running_batch", "attribute", "recompute", "a request sent back leaves it"),
     (f"{_SCHED}.last_batch", "attribute", "recompute", "and the prefill batch about to merge into it"),

@@ -88,7 +88,8 @@ def test_a_request_already_sent_back_is_not_counted_again():
     actions.act([_violation("a")], ["a"])
     actions.act([_violation("a")], ["a"])  # the step in flight read its old KV too
     assert control.count == {"a": 1} and _value(metrics.requests_recomputed) == 1
-    assert len(actions.history) == 1
+    # logged again (every violation is), as the same recompute
+    assert [(v.action, v.recomputes) for v in actions.history] == [("recompute", 1)] * 2
 
 
 @pytest.mark.parametrize(
@@ -201,3 +202,24 @@ def test_a_page_cached_before_its_verdict_is_quarantined(kernels):
     assert state[owner.pages[0]] == PageState.QUARANTINED  # read bad
     assert state[reader.pages[2]] == PageState.QUARANTINED  # computed from it, in the tree
     assert state[owner.pages[1]] == PageState.SHARED  # intact: untouched
+
+
+@pytest.mark.parametrize("on_violation", ["abort", "recompute"])
+def test_a_finished_request_flagged_again_is_logged_not_counted(on_violation):
+    """A step launched before a request finished flags it after: the violation is logged (every
+    one is), nothing is aborted or recomputed, and no abort is counted."""
+
+    class Finished(Control):
+        def abort(self, handle, violation):
+            return False  # it had finished
+
+        def recompute(self, handle, violation):
+            violation.why_not_healed = "the request had finished"
+            return False
+
+    control = Finished()
+    actions, metrics = _actions(control, on_violation=on_violation)
+    v = _violation("a")
+    actions.act([v], ["a"])
+    assert actions.history == [v] and v.action == "none"
+    assert _value(metrics.requests_aborted) == 0 and _value(metrics.requests_recomputed) == 0
