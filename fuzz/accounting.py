@@ -296,17 +296,24 @@ class Watch:
         restarted = self._restarted(scan, step)
         self._checks = []
         for req, pos, slot in scan.writes:
-            if slot // self.ps in self.pages and req.rid not in self.poisoned:
-                content = Written(namespace(req), pos, req)
-                if req.rid in self.foreign:
-                    self._checks.append((slot, content))  # lands unless something drops it
-                else:
-                    self.contents[slot] = content
+            if slot // self.ps not in self.pages:
+                continue
+            content = Written(namespace(req), pos, req, poisoned=req.rid in self.poisoned)
+            if req.rid in self.foreign:
+                self._checks.append((slot, content))  # lands unless something drops it
+            elif not content.poisoned:
+                self.contents[slot] = content
         if self._checks:
             slots = torch.tensor([s for s, _ in self._checks], dtype=torch.int64)
             self._saved = kvbytes.snapshot(pool, slots)
         grew = self._judge(scan, step)
-        self._poison_writes(scan)
+        checked = {s for s, _ in self._checks}
+        # a bad writer that reads wrong KV in this very forward writes wrong KV, if it lands
+        self._checks = [
+            (s, Written(c.ns, c.pos, c.req, poisoned=True) if c.req.rid in self.poisoned else c)
+            for s, c in self._checks
+        ]
+        self._poison_writes(scan, checked)
         self._note_written(scan)
         self.transient = {}
         return grew or restarted
@@ -344,6 +351,7 @@ class Watch:
         foreign writes (their count changed)."""
         if not self._checks:
             return False
+        checked = {s for s, _ in self._checks}
         slots = torch.tensor([s for s, _ in self._checks], dtype=torch.int64)
         landed = kvbytes.changed(pool, slots, self._saved).tolist()
         for (slot, content), hit in zip(self._checks, landed):
@@ -354,15 +362,16 @@ class Watch:
         self._checks, self._saved = [], None
         if any(landed):
             self._judge(scan, step)
-            self._poison_writes(scan)
+            self._poison_writes(scan, checked)
             self._note_written(scan)
         return True
 
-    def _poison_writes(self, scan: Scan) -> None:
+    def _poison_writes(self, scan: Scan, checked: set[int]) -> None:
         """What a request reading wrong KV writes in this forward is wrong for whoever adopts it
-        later (a prefix-cache hit on it): watched from now on."""
+        later (a prefix-cache hit on it): watched from now on. A bad writer's writes into the
+        watched pages (``checked``) hold what they wrote only if they landed."""
         for req, pos, slot in scan.writes:
-            if req.rid in self.poisoned:
+            if req.rid in self.poisoned and slot not in checked:
                 self.pages.add(slot // self.ps)
                 self.contents[slot] = Written(namespace(req), pos, req, poisoned=True)
 

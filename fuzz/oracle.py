@@ -207,9 +207,23 @@ def guard_violations(server_log_events: list[dict]) -> dict[str, list[dict]]:
 
 
 def recomputes_of(events: list[dict]) -> int:
-    """How many times the guard recomputed a request (its events with action ``recompute``;
-    logs from before healing have no action: each event an abort)."""
-    return sum(1 for ev in events if ev.get("action") == "recompute")
+    """How many times the guard recomputed a request: its events with action ``recompute``, one
+    per distinct ``recomputes`` count they name (a step already in flight when the request was
+    sent back may flag it again, under the same count); logs from before healing have no
+    action: each event an abort."""
+    counts: set = set()
+    for i, ev in enumerate(events):
+        if ev.get("action") == "recompute":
+            n = ev.get("recomputes")
+            counts.add(n if isinstance(n, int) else ("event", i))
+    return len(counts)
+
+
+def repeated_recompute_events(events: list[dict]) -> int:
+    """Recompute events that name a count an earlier one named (the same recompute, flagged
+    again by a step already in flight)."""
+    recomputes = [ev for ev in events if ev.get("action") == "recompute"]
+    return len(recomputes) - recomputes_of(recomputes)
 
 
 def wrong_kv_spans(inj: dict, rid: str) -> list[list]:
@@ -427,6 +441,8 @@ def classify(
             rec["guard_step"] = first_step
             rec["guard_kinds"] = sorted({k for e in evs for k in e.get("kinds") or []})
             rec["guard_actions"] = [e.get("action", "abort") for e in evs]
+            if repeated_recompute_events(evs):
+                rec["repeated_recompute_events"] = repeated_recompute_events(evs)
             why_not = [e["why_not_healed"] for e in evs if e.get("why_not_healed")]
             if why_not:  # recompute was configured, and the guard aborted it anyway: why
                 rec["why_not_healed"] = why_not[-1]

@@ -133,6 +133,8 @@ def summarize(cfg: dict) -> dict:
         # request logged healed whose client saw an error
         "guard_aborts_unseen": sum(1 for r in reqs if r.get("guard_abort_unseen")),
         "recomputes_then_error": sum(1 for r in reqs if r.get("recompute_then_error")),
+        # recompute events naming a count already named (a step in flight flagging it again)
+        "repeated_recompute_events": sum(r.get("repeated_recompute_events", 0) for r in reqs),
         # streams that took back tokens they had sent (a chunk counting fewer than before)
         "streams_withdrawn": sum(1 for r in reqs if r.get("stream_withdrawn")),
         "clean_pass_guard_recomputes": len(cfg.get("clean_guard_recomputes", [])),

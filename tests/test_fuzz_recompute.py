@@ -108,6 +108,7 @@ def test_oracle_scores_recomputed_requests():
     ]
     injections = _inj(events, [{"id": 1, "cls": "bit_flip"}, {"id": 2, "cls": "premature_free"}])
     log = [_ev(k, f"kvg-{k}", "recompute", 1) for k in "abcdfgj"]
+    log += [_ev("a", "kvg-a2", "recompute", 1, step=21)]  # flagged again by the step in flight
     spent = {
         **_ev("e", "kvg-e2", "abort", 1, step=24),
         "why_not_healed": "recompute budget spent (1)",
@@ -134,6 +135,8 @@ def test_oracle_scores_recomputed_requests():
     assert not any(by[k]["client_error"] for k in "abcdfghj")
     assert by["e"]["client_error"] and by["i"]["client_error"]
     assert "guard_abort_unseen" not in by["a"]
+    assert by["a"]["guard_actions"] == ["recompute", "recompute"]
+    assert by["a"]["repeated_recompute_events"] == 1
     # the injection: an escape wins; one with only healed victims is recomputed
     assert injections[1]["outcome"] == "escaped"
     assert injections[2]["outcome"] == "detected"
@@ -164,6 +167,7 @@ def test_oracle_scores_recomputed_requests():
     assert s["aborts_by_class"]["premature_free"]["client_errors"] == 1
     assert s["injections"]["escaped"] == 1 and s["on_violation"] == "recompute"
     assert s["not_healed"] == {"recompute budget spent (1)": 1}
+    assert s["repeated_recompute_events"] == 1
     assert by["e"]["why_not_healed"] == "recompute budget spent (1)"
     cfg["summary"] = s
     bad = verdict(cfg)
@@ -458,6 +462,48 @@ def test_a_bad_writer_prefilled_again_writes_its_own_kv():
     assert w.step(watch, w.extend(writer, 0, [0, 1, 2, 3, 4]), 3)
     assert "w" not in watch.foreign and watch.restarts == {"w": [[3, 2]]}
     assert watch.bad_writes == 0 and watch.contents[0].req is writer
+
+
+def _pool():
+    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
+
+    return MHATokenToKVPool(
+        size=64,
+        page_size=PS,
+        dtype=torch.bfloat16,
+        head_num=1,
+        head_dim=8,
+        layer_num=1,
+        device="cpu",
+        enable_memory_saver=False,
+    )
+
+
+def test_a_bad_write_that_a_firewall_drops_leaves_the_page_as_it_was():
+    """shared_write: the writer's position 4 maps into another request's page (slot 0), it reads
+    that slot in the very forward (wrong KV: it is poisoned) and writes its KV there. Dropped
+    (the bytes unchanged), the slot still holds the owner's KV; landed, the writer's poisoned
+    KV."""
+    for lands in (False, True):
+        w = _World()
+        owner = w.req("o", [1, 2, 3, 4], 1, [0, 1, 2, 3])
+        owner.kv.kv_committed_len = 4
+        watch = Watch(PS, 1, {s: Written((None, None), s, owner) for s in range(4)})
+        writer = w.req("w", [1, 2, 3, 4], 0, [8, 9, 10, 11])
+        writer.kv.kv_committed_len = 4
+        writer.output_ids = [7]
+        watch.foreign["w"] = writer
+        pool = _pool()
+        batch = w.decode(writer, 0)  # position 4 -> slot 0, the owner's page
+        scan = Scan(w.sched, batch, watch.pages)
+        watch.before_forward(scan, pool, 1)
+        assert "w" in watch.poisoned and watch.spans == {"w": [[1, None]]}
+        if lands:
+            pool.k_buffer[0][0] += 1
+        watch.after_forward(scan, pool, 1)
+        assert (watch.bad_writes, watch.bad_writes_landed) == (1, int(lands))
+        held = watch.contents[0]
+        assert (held.req is writer and held.poisoned) if lands else held.req is owner
 
 
 def test_mixed_batch_decodes_are_no_restart():
