@@ -91,12 +91,31 @@ def _page_slots(sched, req, lp):
     return _table(sched)[req.kv.req_pool_idx, lp * ps : (lp + 1) * ps].to(torch.int64).clone()
 
 
-def _page_contents(sched, req, lp) -> dict:
-    """What the slots of ``req``'s logical page ``lp`` hold: its own KV where it wrote it."""
+def _page_contents(sched, req, lp, batch=None) -> dict:
+    """What the slots of ``req``'s logical page ``lp`` hold: its own KV where it wrote it; where
+    it did not (yet: a prefix-cache page it holds before its own length covers it), the KV of
+    another live holder that wrote that slot, if one did."""
     ps = _ps(sched)
     slots = _page_slots(sched, req, lp).tolist()
     committed = req.kv.kv_committed_len
-    return {s: written_by(req, lp * ps + i, committed) for i, s in enumerate(slots)}
+    out = {s: written_by(req, lp * ps + i, committed) for i, s in enumerate(slots)}
+    unknown = [s for s, c in out.items() if isinstance(c, Garbage)]
+    if unknown:
+        out.update(_written_by_others(sched, batch, unknown, req))
+    return out
+
+
+def _written_by_others(sched, batch, slots: list[int], skip) -> dict:
+    """slot -> the KV another live request wrote there (at a position it has committed)."""
+    table, want, out = _table(sched), torch.tensor(slots, dtype=torch.int64), {}
+    for other in live_requests(sched, batch):
+        if other is skip:
+            continue
+        n = other.kv.kv_committed_len
+        row = table[other.kv.req_pool_idx, :n].to(torch.int64)
+        for pos in torch.nonzero(torch.isin(row, want)).reshape(-1).tolist():
+            out.setdefault(int(row[pos]), written_by(other, pos, n))
+    return out
 
 
 # -- injectors -----------------------------------------------------------------------------------------
@@ -109,7 +128,7 @@ def premature_free(sched, batch, rng, step):
         if lp is None:
             continue
         slots = _page_slots(sched, req, lp)
-        watch = Watch(ps, step, _page_contents(sched, req, lp))
+        watch = Watch(ps, step, _page_contents(sched, req, lp, batch))
         sched.token_to_kv_pool_allocator.free(slots)
         return Injection(
             "premature_free", step, watch, {"rid": req.rid, "page": int(slots[0]) // ps}
@@ -126,7 +145,7 @@ def double_allocation(sched, batch, rng, step):
             continue
         slots = _page_slots(sched, req, lp)
         page = slots[:1] // ps
-        watch = Watch(ps, step, _page_contents(sched, req, lp))
+        watch = Watch(ps, step, _page_contents(sched, req, lp, batch))
         alloc.free_pages = torch.cat(
             (page.to(alloc.free_pages.device), alloc.free_pages)
         )  # bypasses free()
@@ -150,7 +169,9 @@ def table_redirect(sched, batch, rng, step):
     target = other - other % ps + pos % ps  # same in-page offset: only the owner tag can tell
     if target == int(table[a.kv.req_pool_idx, pos]):
         return None
-    watch = Watch(ps, step, _page_contents(sched, b, j // ps))  # the target's page, as b holds it
+    watch = Watch(
+        ps, step, _page_contents(sched, b, j // ps, batch)
+    )  # the target's page, as b holds it
     displaced = int(table[a.kv.req_pool_idx, pos])
     table[a.kv.req_pool_idx, pos] = target
 
@@ -342,7 +363,7 @@ def stale_writer(sched, batch, rng, step):
         if lp is None:
             continue
         slots = _page_slots(sched, req, lp)
-        contents = _page_contents(sched, req, lp)
+        contents = _page_contents(sched, req, lp, batch)
         stale = kvbytes.snapshot(_pool(sched), slots)
         return Injection(
             "stale_writer",
@@ -400,7 +421,7 @@ def read_before_ready(sched, batch, rng, step):
         slots = _page_slots(sched, req, lp)
         saved = kvbytes.snapshot(pool, slots)
         kvbytes.zero(pool, slots)  # "not loaded yet"
-        watch = Watch(ps, step, _page_contents(sched, req, lp))
+        watch = Watch(ps, step, _page_contents(sched, req, lp, batch))
         watch.transient = dict.fromkeys(slots.tolist(), Garbage("not_ready"))
         return Injection(
             "read_before_ready",
@@ -430,7 +451,7 @@ def stale_prefix(sched, batch, rng, step):
         old = _page_slots(sched, req, lp)
         if torch.equal(new, old):
             continue
-        watch = Watch(ps, step, _page_contents(sched, donor, dlp))
+        watch = Watch(ps, step, _page_contents(sched, donor, dlp, batch))
         table[req.kv.req_pool_idx, lp * ps : (lp + 1) * ps] = new.to(table.dtype)
         return Injection(
             "stale_prefix", step, watch, {"rid": req.rid, "logical_page": lp, "donor": donor.rid}
@@ -456,7 +477,7 @@ def shared_write(sched, batch, rng, step):
         lp = rng.randrange(src.kv.cache_protected_len // ps)
         shared_page = _page_slots(sched, src, lp)
         target = int(shared_page[0])
-        watch = Watch(ps, step, _page_contents(sched, src, lp), victims=[req.rid])
+        watch = Watch(ps, step, _page_contents(sched, src, lp, batch), victims=[req.rid])
         watch.foreign[req.rid] = req
         mine = int(batch.out_cache_loc[i])
         batch.out_cache_loc[i] = target
