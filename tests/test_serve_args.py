@@ -20,6 +20,7 @@ SCRIPT = textwrap.dedent("""
     FIELDS = ("model_path", "device", "attention_backend", "kv_cache_dtype", "enable_metrics",
               "skip_server_warmup", "page_size", "max_total_tokens", "port")
     ENV = ("KVGUARD_MODE", "KVGUARD_SWEEP_TOKENS_PER_STEP", "KVGUARD_LOG_FORMAT", "KVGUARD_QUARANTINE_CAP",
+           "KVGUARD_ON_VIOLATION", "KVGUARD_RECOMPUTE_BUDGET", "KVGUARD_RECOMPUTE_BREAKER_PER_MINUTE",
            "SGLANG_USE_CPU_ENGINE", "PROMETHEUS_MULTIPROC_DIR", "SGLANG_CPU_OMP_THREADS_BIND")
     from sglang.srt.utils.common import get_cpu_ids_by_node
     out = {"fp8_supported": fp8_kv_supported(), "numa_nodes": len(get_cpu_ids_by_node()),
@@ -70,6 +71,12 @@ def test_defaults_only_where_unset():
             "7",
             "--kvguard-quarantine-cap",
             "0.05",
+            "--kvguard-on-violation",
+            "abort",
+            "--kvguard-recompute-budget",
+            "3",
+            "--kvguard-recompute-breaker-per-minute",
+            "0",
             "--log-format",
             "json",
         ],
@@ -94,6 +101,9 @@ def test_defaults_only_where_unset():
     assert chosen["env"]["KVGUARD_QUARANTINE_CAP"] == "0.05"
     assert plain["env"]["KVGUARD_QUARANTINE_CAP"] == "0.01"
     assert chosen["env"]["KVGUARD_LOG_FORMAT"] == "json"
+    healing = ("KVGUARD_ON_VIOLATION", "KVGUARD_RECOMPUTE_BUDGET", "KVGUARD_RECOMPUTE_BREAKER_PER_MINUTE")
+    assert [plain["env"][k] for k in healing] == ["recompute", "2", "60"]
+    assert [chosen["env"][k] for k in healing] == ["abort", "3", "0"]
 
     assert no_fp8["kv_cache_dtype"] == "auto"
 

@@ -223,6 +223,10 @@ def test_unknown_option():
         ([], {"KVGUARD_QUARANTINE_CAP": "none"}, "KVGUARD_QUARANTINE_CAP"),
         ([], {"KVGUARD_MODE": "bogus"}, "invalid kvguard mode"),
         (["--kvguard-mode", "bogus"], {}, "--kvguard-mode"),
+        (["--kvguard-on-violation", "retry"], {}, "--kvguard-on-violation"),
+        ([], {"KVGUARD_ON_VIOLATION": "retry"}, "invalid kvguard on_violation"),
+        (["--kvguard-recompute-budget", "-1"], {}, "recompute_budget"),
+        ([], {"KVGUARD_RECOMPUTE_BREAKER_PER_MINUTE": "x"}, "RECOMPUTE_BREAKER_PER_MINUTE"),
     ],
 )
 def test_invalid_guard_config(args, env, fragment):
