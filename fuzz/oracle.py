@@ -443,8 +443,12 @@ def classify(
             rec["guard_actions"] = [e.get("action", "abort") for e in evs]
             if repeated_recompute_events(evs):
                 rec["repeated_recompute_events"] = repeated_recompute_events(evs)
-            why_not = [e["why_not_healed"] for e in evs if e.get("why_not_healed")]
-            if why_not:  # recompute was configured, and the guard aborted it anyway: why
+            why_not = [  # recompute was configured, and the guard aborted it anyway: why
+                e["why_not_healed"]
+                for e in evs
+                if e.get("why_not_healed") and e.get("action", "abort") == "abort"
+            ]
+            if why_not:  # (action "none": flagged once finished, nothing done to it)
                 rec["why_not_healed"] = why_not[-1]
             # did the guard find KV bytes that changed (a digest mismatch), or only a state it
             # distrusts (quarantined page, owner, epoch) over bytes that still verify?

@@ -115,6 +115,10 @@ def test_oracle_scores_recomputed_requests():
     }
     log += [_ev("e", "kvg-e1", "recompute", 1), spent]
     log += [_ev("i", "kvg-i", "abort", 0, step=21)]
+    # a step in flight flags a request already finished: nothing done to it
+    log += [
+        {**_ev("g", "kvg-g2", "none", 1, step=22), "why_not_healed": "the request had finished"}
+    ]
     records, injections = classify(ref, responses, injections, guard_violations(log))
     by = {r["key"]: r for r in records}
     assert {k: r["outcome"] for k, r in by.items()} == {
@@ -132,6 +136,8 @@ def test_oracle_scores_recomputed_requests():
     assert by["f"]["streamed_escape"] and not by["f"]["guard_aborted"]
     assert [by[k]["recomputes"] for k in "abcdefghij"] == [1, 1, 1, 1, 1, 1, 1, 0, 0, 1]
     assert by["e"]["guard_actions"] == ["recompute", "abort"] and by["e"]["steps_to_abort"] == 2
+    assert by["g"]["guard_actions"] == ["recompute", "none"] and "why_not_healed" not in by["g"]
+    assert "guard_abort_unseen" not in by["g"]
     assert not any(by[k]["client_error"] for k in "abcdfghj")
     assert by["e"]["client_error"] and by["i"]["client_error"]
     assert "guard_abort_unseen" not in by["a"]
