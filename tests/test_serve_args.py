@@ -101,7 +101,11 @@ def test_defaults_only_where_unset():
     assert chosen["env"]["KVGUARD_QUARANTINE_CAP"] == "0.05"
     assert plain["env"]["KVGUARD_QUARANTINE_CAP"] == "0.01"
     assert chosen["env"]["KVGUARD_LOG_FORMAT"] == "json"
-    healing = ("KVGUARD_ON_VIOLATION", "KVGUARD_RECOMPUTE_BUDGET", "KVGUARD_RECOMPUTE_BREAKER_PER_MINUTE")
+    healing = (
+        "KVGUARD_ON_VIOLATION",
+        "KVGUARD_RECOMPUTE_BUDGET",
+        "KVGUARD_RECOMPUTE_BREAKER_PER_MINUTE",
+    )
     assert [plain["env"][k] for k in healing] == ["recompute", "2", "60"]
     assert [chosen["env"][k] for k in healing] == ["abort", "3", "0"]
 
