@@ -203,7 +203,13 @@ def extend_starts(batch) -> dict[str, tuple[object, int]]:
 
 class Scan:
     """One step: which live requests hold which watched slots, what the batch writes, which
-    watched pages sit on the free list."""
+    watched pages sit on the free list, and which of this forward's writes landed.
+
+    A write is *contested* when it goes to a slot that another live request reads (maps it below
+    its committed length): two rows share it. A write firewall (kvguard's) may refuse such a
+    write (it is redirected to the padding slot and the slot keeps its bytes), so whether it
+    landed is told by the slot's bytes: snapshotted before the forward, compared after it, once
+    per step for every watch alike. So are the writes of a watch's bad writers (``foreign``)."""
 
     def __init__(self, sched, batch, pages: set[int]):
         self.ps = sched.token_to_kv_pool_allocator.page_size
@@ -214,6 +220,10 @@ class Scan:
         self.holders: list[Holder] = []
         self.by_page: dict[int, list[Holder]] = {}  # watched page -> its live holders
         self.free: set[int] = set()
+        self.contested: set[int] = set()  # written slots another live request reads
+        self._tracked: list[int] = []  # slots whose landing is told by their bytes
+        self._saved: list[torch.Tensor] | None = None
+        self._landed: dict[int, bool] | None = None
         if not pages:
             return  # nothing watched: a step costs the plugin nothing more
         self.writes = batch_writes(batch)
@@ -222,8 +232,13 @@ class Scan:
         in_batch = {id(r) for r in (batch.reqs if batch is not None else [])}
         computes = _computes(batch)
         table = sched.req_to_token_pool.req_to_token
+        written = torch.tensor(sorted({slot for _, _, slot in self.writes}), dtype=torch.int64)
+        readers: dict[int, set[int]] = {}  # slot this forward writes -> requests that read it
         for req in live_requests(sched, batch):
             row = table[req.kv.req_pool_idx, : req.kv.kv_allocated_len].to(torch.int64)
+            read = row[: req.kv.kv_committed_len]
+            for s in read[torch.isin(read, written)].tolist():
+                readers.setdefault(s, set()).add(id(req))
             hit = torch.nonzero(torch.isin(row // self.ps, watched)).reshape(-1)
             if hit.numel():
                 h = Holder(req, req.rid, id(req) in in_batch, req.kv.kv_committed_len)
@@ -232,11 +247,42 @@ class Scan:
                 self.holders.append(h)
                 for page in {s // self.ps for s, _ in h.slots}:
                     self.by_page.setdefault(page, []).append(h)
+        self.contested = {
+            slot for req, _, slot in self.writes if readers.get(slot, set()) - {id(req)}
+        }
         alloc = sched.token_to_kv_pool_allocator
         free = alloc.get_all_free_pages() if hasattr(alloc, "get_all_free_pages") else None
         if free is not None and free.numel():
             on_list = torch.isin(watched, free.to(torch.int64).cpu())
             self.free = set(watched[on_list].tolist())
+
+    def track(self, pool, slots) -> None:
+        """Tell whether writes to these slots land (their bytes now, compared after the
+        forward)."""
+        new = [s for s in dict.fromkeys(slots) if s not in self._tracked]
+        if new and pool is not None:
+            self._tracked += new
+            self.snapshot(pool)
+
+    def snapshot(self, pool) -> None:
+        """The tracked slots' bytes, as the forward finds them: taken again right before it (an
+        injection may write into a slot after a watch asked for it: a stale write landing)."""
+        if self._tracked and pool is not None and self._landed is None:
+            self._saved = kvbytes.snapshot(pool, torch.tensor(self._tracked, dtype=torch.int64))
+
+    def settle(self, pool) -> None:
+        """After the forward, before anything else writes KV (an injection's late load): which
+        tracked slots' bytes changed, i.e. which writes landed."""
+        if self._landed is not None or self._saved is None:
+            return
+        slots = torch.tensor(self._tracked, dtype=torch.int64)
+        self._landed = dict(zip(self._tracked, kvbytes.changed(pool, slots, self._saved).tolist()))
+        self._saved = None
+
+    def landed(self, pool, slot: int) -> bool:
+        """Did this forward's write to ``slot`` land? (Untracked slots: yes.)"""
+        self.settle(pool)
+        return (self._landed or {}).get(slot, True)
 
 
 # -- one injection's watch ------------------------------------------------------------------------------
@@ -279,7 +325,10 @@ class Watch:
         self.bad_writes = self.bad_writes_landed = 0  # foreign writes: made, and not dropped
         self._running: dict[str, object] = {}  # victims by rid, to tell whether one still runs
         self._checks: list[tuple[int, Content]] = []  # foreign writes: did the bytes change?
-        self._saved: list[torch.Tensor] | None = None
+        # contested writes of this forward (slot, writer, position): did the bytes change?
+        self._contested: list[tuple[int, object, int]] = []
+        self._pending: set[int] = set()  # their slots: not judged for this forward's readers yet
+        self._in_flight: dict[int, Content] = {}  # ``transient`` of this forward, for after it
 
     def reopen(self, step: int) -> None:
         self.last_event = step
@@ -292,31 +341,41 @@ class Watch:
     # before the forward
     def before_forward(self, scan: Scan, pool, step: int) -> bool:
         """Follow this forward's writes into watched slots, then judge every holder. True when
-        the victim or exposed set grew (or a victim's tokens from wrong KV changed)."""
+        the victim or exposed set grew (or a victim's tokens from wrong KV changed).
+
+        A write lands before the forward's reads of its slot (each layer writes, then attends),
+        so a writer reads its own new row in this very forward. A write that may not land (a bad
+        writer's, or a contested one: see ``Scan``) waits for the bytes: applied after the
+        forward if it landed, and this forward's readers of its slot are judged then."""
         restarted = self._restarted(scan, step)
-        self._checks = []
+        self._checks, self._contested = [], []
         for req, pos, slot in scan.writes:
             if slot // self.ps not in self.pages:
                 continue
             content = Written(namespace(req), pos, req, poisoned=req.rid in self.poisoned)
             if req.rid in self.foreign:
                 self._checks.append((slot, content))  # lands unless something drops it
+            elif slot in scan.contested and pool is not None:
+                self._contested.append((slot, req, pos))
             elif not content.poisoned:
                 self.contents[slot] = content
-        if self._checks:
-            slots = torch.tensor([s for s, _ in self._checks], dtype=torch.int64)
-            self._saved = kvbytes.snapshot(pool, slots)
+        scan.track(pool, [s for s, _ in self._checks] + sorted(scan.contested))
+        self._pending = {s for s, _, _ in self._contested}
         grew = self._judge(scan, step)
-        checked = {s for s, _ in self._checks}
+        self._pending = set()
         # a bad writer that reads wrong KV in this very forward writes wrong KV, if it lands
         self._checks = [
             (s, Written(c.ns, c.pos, c.req, poisoned=True) if c.req.rid in self.poisoned else c)
             for s, c in self._checks
         ]
-        self._poison_writes(scan, checked)
+        self._poison_writes(scan, self._unsure() | scan.contested)
         self._note_written(scan)
-        self.transient = {}
+        self._in_flight, self.transient = self.transient, {}
         return grew or restarted
+
+    def _unsure(self) -> set[int]:
+        """Slots this forward writes whose landing waits for the bytes."""
+        return {s for s, _ in self._checks} | {s for s, _, _ in self._contested}
 
     def _note_written(self, scan: Scan) -> None:
         """How far the requests this watch follows (poisoned ones, bad writers) have written."""
@@ -346,32 +405,46 @@ class Watch:
         return out
 
     def after_forward(self, scan: Scan, pool, step: int) -> bool:
-        """Foreign writes that landed now hold their writer's KV; judge this forward's readers
-        of them again (they read it in this very forward, after the write). True when there were
-        foreign writes (their count changed)."""
-        if not self._checks:
+        """Writes that waited for the bytes (bad writers', contested ones) now hold their
+        writer's KV if they landed; judge this forward's readers of them again (they read it in
+        this very forward, after the write). True when there were bad writes (their count
+        changed) or the victims grew."""
+        in_flight, self._in_flight = self._in_flight, {}
+        poisoned_contested = any(
+            req.rid in self.poisoned and slot in scan.contested for req, _, slot in scan.writes
+        )
+        if not self._checks and not self._contested and not poisoned_contested:
             return False
-        checked = {s for s, _ in self._checks}
-        slots = torch.tensor([s for s, _ in self._checks], dtype=torch.int64)
-        landed = kvbytes.changed(pool, slots, self._saved).tolist()
+        # writes that did not land hold nothing (a bad writer's landed ones: applied here)
+        unsure = {s for s, _ in self._checks}
+        unsure |= {s for s in scan.contested if not scan.landed(pool, s)}
+        landed = [scan.landed(pool, slot) for slot, _ in self._checks]
         for (slot, content), hit in zip(self._checks, landed):
             if hit:
                 self.contents[slot] = content
+        for slot, req, pos in self._contested:
+            if scan.landed(pool, slot):
+                self.contents[slot] = Written(namespace(req), pos, req)
         self.bad_writes += len(landed)
         self.bad_writes_landed += sum(landed)
-        self._checks, self._saved = [], None
-        if any(landed):
-            self._judge(scan, step)
-            self._poison_writes(scan, checked)
-            self._note_written(scan)
-        return True
+        bad = bool(self._checks)
+        self._checks, self._contested = [], []
+        self.transient = in_flight  # what this forward's readers saw in flight, as before it
+        try:
+            grew = self._judge(scan, step)
+        finally:
+            self.transient = {}
+        # what a request found reading wrong KV in this forward wrote here is wrong, if it landed
+        self._poison_writes(scan, unsure)
+        self._note_written(scan)
+        return bad or grew
 
-    def _poison_writes(self, scan: Scan, checked: set[int]) -> None:
+    def _poison_writes(self, scan: Scan, skip: set[int]) -> None:
         """What a request reading wrong KV writes in this forward is wrong for whoever adopts it
-        later (a prefix-cache hit on it): watched from now on. A bad writer's writes into the
-        watched pages (``checked``) hold what they wrote only if they landed."""
+        later (a prefix-cache hit on it): watched from now on. Writes whose landing is not known
+        yet, or that did not land (``skip``), hold no such KV."""
         for req, pos, slot in scan.writes:
-            if req.rid in self.poisoned and slot not in checked:
+            if req.rid in self.poisoned and slot not in skip:
                 self.pages.add(slot // self.ps)
                 self.contents[slot] = Written(namespace(req), pos, req, poisoned=True)
 
@@ -403,6 +476,8 @@ class Watch:
         for slot, pos in mine:
             if pos >= h.committed:
                 continue  # allocated, not written yet: not read
+            if h.in_batch and slot in self._pending:
+                continue  # what it reads there in this forward is known after it
             if slot // self.ps in scan.free:
                 why = why or "page on the free list"  # its next owner overwrites it
             content = (self.transient.get(slot) if h.in_batch else None) or self.contents.get(slot)

@@ -214,6 +214,13 @@ def around_run_batch(original, sched, batch, *args, **kwargs):
         events.append((new, "injected"))  # made, even if following it failed
     for inj, kind in events:
         _record(st, inj, kind)
+    if scan is not None:
+        try:
+            scan.snapshot(
+                pool
+            )  # the bytes of slots whose writes may not land, as the forward finds them
+        except Exception as exc:
+            st.log({"event": "injector_error", "step": st.step, "error": repr(exc)})
     try:
         out = original(sched, batch, *args, **kwargs)
     finally:
@@ -224,6 +231,8 @@ def around_run_batch(original, sched, batch, *args, **kwargs):
                 st.log({"event": "injector_error", "step": st.step, "error": repr(exc)})
     st.note_reads(batch)
     try:
+        if scan is not None:
+            scan.settle(pool)  # which of them landed: before a late load writes KV (``after``)
         if new is not None and new.detail.get("fired") is False:  # its layer never ran
             st.active.remove(new)
             st.log(

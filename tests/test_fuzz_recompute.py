@@ -512,6 +512,80 @@ def test_a_bad_write_that_a_firewall_drops_leaves_the_page_as_it_was():
         assert (held.req is writer and held.poisoned) if lands else held.req is owner
 
 
+def test_a_refused_write_into_a_page_another_request_reads_charges_nobody():
+    """double_allocation's aftermath: two live rows map one page. Its owner wrote positions 0-3
+    there; the stale holder's next decode writes its position 4 into slot 2, which the owner
+    reads. A write firewall refuses it (the bytes unchanged): the slot still holds the owner's
+    KV, the owner reads the right KV (not charged) and the stale holder reads the owner's KV at
+    its position 4 (it is). Landed (the bytes changed): the owner reads the stale holder's KV
+    (charged from the token this forward computes), the stale holder its own new row."""
+    for lands in (False, True):
+        w = _World()
+        owner = w.req("o", [1, 2, 3, 4], 1, [0, 1, 2, 3])
+        owner.kv.kv_committed_len = 4
+        owner.output_ids = [9]
+        watch = Watch(PS, 1, {s: Written((None, None), s, owner) for s in range(4)})
+        stale = w.req("s", [5, 6, 7, 8], 0, [4, 5, 6, 7])
+        stale.kv.kv_committed_len = 4
+        stale.output_ids = [7]
+        one, two = w.decode(owner, 12), w.decode(stale, 2)  # owner: a fresh page; stale: slot 2
+        n = torch.tensor([5, 5])
+        batch = SimpleNamespace(
+            reqs=[owner, stale],
+            forward_mode=_Mode("decode"),
+            out_cache_loc=torch.cat([one.out_cache_loc, two.out_cache_loc]),
+            seq_lens=n,
+            seq_lens_cpu=n,
+            prefix_lens=None,
+            extend_lens=None,
+        )
+        pool = _pool()
+        scan = Scan(w.sched, batch, watch.pages)
+        assert scan.contested == {2}
+        watch.before_forward(scan, pool, 1)
+        assert not watch.spans and not watch.poisoned  # judged once the bytes tell
+        scan.snapshot(pool)  # right before the forward
+        if lands:
+            pool.v_buffer[0][2] += 1
+        scan.settle(pool)  # right after it
+        assert watch.after_forward(scan, pool, 1)
+        assert (watch.bad_writes, watch.bad_writes_landed) == (0, 0)  # no designated bad writer
+        if lands:
+            assert watch.contents[2].req is stale and watch.spans == {"o": [[1, None]]}
+            assert "s" not in watch.poisoned  # it read its own new row
+        else:
+            assert watch.contents[2].req is owner and "o" not in watch.spans
+            assert "o" not in watch.victims and "o" not in watch.poisoned
+            assert watch.spans == {"s": [[1, None]]}  # it read the owner's KV at its position 4
+            assert watch.wrong_reads["s"] == [[1, 2, 4, "KV of o at 2 (another position)"]]
+
+
+def test_a_poisoned_write_that_did_not_land_poisons_nothing():
+    """A request reading a flipped slot writes wrong KV: followed from then on, but only where it
+    landed. Its write into another request's page (slot 9, which that request reads) refused,
+    the slot keeps that request's KV and is not followed."""
+    for lands in (False, True):
+        w = _World()
+        req = w.req("p", [1, 2, 3, 4], 0, [0, 1, 2, 3])
+        req.kv.kv_committed_len = 4
+        req.output_ids = [5]
+        other = w.req("q", [6, 7, 8, 9], 1, [8, 9, 10, 11])
+        other.kv.kv_committed_len = 4
+        w.sched.running_batch.reqs = [other]  # not in this batch: it reads slot 9 later
+        watch = Watch(PS, 1, {2: Garbage("bit_flip")})
+        pool = _pool()
+        scan = Scan(w.sched, w.decode(req, 9), watch.pages)
+        assert scan.contested == {9}
+        watch.before_forward(scan, pool, 1)
+        assert "p" in watch.poisoned and 9 not in watch.contents
+        if lands:
+            pool.k_buffer[0][9] += 1
+        scan.settle(pool)
+        watch.after_forward(scan, pool, 1)
+        assert (9 in watch.contents and watch.contents[9].poisoned) == lands
+        assert (2 in watch.pages) == lands
+
+
 def test_mixed_batch_decodes_are_no_restart():
     w = _World()
     req = w.req("r", [1, 2, 3, 4], 0, [0, 1, 2, 3])
