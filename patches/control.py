@@ -120,17 +120,24 @@ class SGLangControl:
 
 
 def release_aborted(scheduler, req):
-    """Release an aborted request by the ledger's truth, not only its (possibly corrupt) row:
-    SGLang's release frees what the row names (the guard keeps pages someone else now holds);
+    """Release an aborted request by the ledger's truth (``release_by_ledger``), through SGLang's
+    "release, do not commit" path."""
+    req.kvguard_released = True
+    if req.kv.holds_kv:
+        release_by_ledger(
+            scheduler, req, scheduler.batch_result_processor._handle_sampling_mask_abort
+        )
+
+
+def release_by_ledger(scheduler, req, release) -> None:
+    """Release a request by the ledger's truth, not only its (possibly corrupt) row: SGLang's
+    ``release(req)`` frees what the row names (the guard keeps pages someone else now holds);
     pages the request still owns but its row no longer names (displaced) are freed too; pages
     found bad stay quarantined."""
-    req.kvguard_released = True
-    if not req.kv.holds_kv:
-        return
     guard = state.guard
     row = int(req.kv.req_pool_idx)
     own = guard.private_pages(row)
-    scheduler.batch_result_processor._handle_sampling_mask_abort(req)  # "release, do not commit"
+    release(req)
     left = guard.private_pages(row)  # still owned (by the old generation): displaced from the row
     left = left[torch.isin(left, own)]
     if left.numel():

@@ -18,9 +18,8 @@ from __future__ import annotations
 
 import time
 
-import torch
-
 from kvguard.patches import state
+from kvguard.patches.control import release_aborted, release_by_ledger
 
 AWAIT_LIMIT_S = 600.0  # a request sent back and never re-prefilled (dropped) is forgotten then
 
@@ -41,20 +40,14 @@ def release_for_recompute(scheduler, req) -> None:
 
     if req is getattr(scheduler, "chunked_req", None):
         return
-    guard = state.guard
     req.kvguard_recompute_t0 = time.monotonic()
     req.kvguard_recompute_out = len(req.output_ids)
     if req not in state.control.awaiting_token:
         state.control.awaiting_token.append(req)
-    if req.kv.holds_kv:
-        row = int(req.kv.req_pool_idx)
-        own = guard.private_pages(row)
-        release_kv_cache(req, scheduler.tree_cache, checkpoint=False)
-        left = guard.private_pages(row)  # still owned: displaced from the row by the fault
-        left = left[torch.isin(left, own)]
-        if left.numel():
-            with guard.releasing(row):
-                scheduler.token_to_kv_pool_allocator.free_page_ids(left.to(torch.int64))
+    if req.kv.holds_kv:  # nothing checkpointed into the prefix cache
+        release_by_ledger(
+            scheduler, req, lambda r: release_kv_cache(r, scheduler.tree_cache, checkpoint=False)
+        )
     req.reset_for_retract()
 
 
@@ -146,8 +139,6 @@ def give_up(scheduler, req) -> None:
     state.guard.metrics.requests_aborted.inc()
     try:
         if req.kv.holds_kv:
-            from kvguard.patches.control import release_aborted
-
             release_aborted(scheduler, req)
     except Exception as exc:  # its pages stay held (a leak the idle repair finds), no more
         state.guard.internal_error("release", exc)

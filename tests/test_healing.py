@@ -3,7 +3,10 @@ recording engine control (the live-engine side is ``test_heal_engine``)."""
 
 from __future__ import annotations
 
+import logging
+
 import pytest
+import structlog
 import torch
 from prometheus_client import CollectorRegistry
 
@@ -14,6 +17,19 @@ from kvguard.kernels.backend import select
 from kvguard.ledger import PageLedger
 from kvguard.metrics import GuardMetrics
 from kvguard.verdict import Kind, Violation
+
+
+@pytest.fixture(autouse=True)
+def _quiet_log():
+    """The guard logs every violation; here to nowhere. (An engine test earlier in the session
+    may have pointed structlog at a stream its capture has closed since.)"""
+    saved = structlog.get_config()
+    structlog.configure(
+        wrapper_class=structlog.make_filtering_bound_logger(logging.CRITICAL),
+        cache_logger_on_first_use=False,
+    )
+    yield
+    structlog.configure(**saved)
 
 
 class Clock:
