@@ -350,6 +350,8 @@ class Guard:
         except Exception as exc:  # acting failed: fail the whole batch closed
             self.internal_error("resolve", exc)
             violations = self.fail_closed(handles)
+            # pages it would have quarantined may sit in the prefix cache: flush it when idle
+            self.flush_wanted = self.tree_suspect = True
         if verdict is not None and not word & FAILED:
             self.health.step_succeeded()
         self._account(t0)
