@@ -352,6 +352,7 @@ class Guard:
             violations = self.fail_closed(handles)
             # pages it would have quarantined may sit in the prefix cache: flush it when idle
             self.flush_wanted = self.tree_suspect = True
+            self._quarantine_after_failure(verdict, kinds, to_quarantine)
         if verdict is not None and not word & FAILED:
             self.health.step_succeeded()
         self._account(t0)
@@ -460,6 +461,23 @@ class Guard:
         if reclaim is not None and reclaim[0].numel():
             self.actions.reclaim(reclaim[0], reclaim[1], step)
         return violations
+
+    def _quarantine_after_failure(
+        self, verdict: StepVerdict | None, kinds: torch.Tensor, taint: PageEpochs | None
+    ) -> None:
+        """Acting failed part-way: still quarantine the agreed bad pages (and the tree nodes the
+        flagged requests wrote), so no request adopts them from the prefix cache before the idle
+        flush (requests arriving at once leave the engine no idle moment). The same pages on
+        every rank: a rank whose acting failed ends as the others' did."""
+        try:
+            if verdict is not None and not bool((kinds & int(Kind.GUARD_ERROR)).any()):
+                poisoned = self._poisoned_nodes(verdict, kinds)
+                if poisoned[0].numel():
+                    taint = poisoned if taint is None else _union([taint, poisoned])
+            if taint is not None and taint[0].numel():
+                self._quarantine(taint, self.step if verdict is None else verdict.view.step)
+        except Exception as exc:
+            self.internal_error("resolve", exc)
 
     def _poisoned_nodes(self, verdict: StepVerdict, kinds: torch.Tensor) -> PageEpochs:
         """Pages flagged requests wrote this step that the prefix cache holds by now: computed

@@ -129,6 +129,21 @@ def test_a_failure_while_acting_fails_the_batch_closed(monkeypatch):
     assert any(v.kinds == Kind.GUARD_ERROR for v in pool.violations)
 
 
+def test_a_failure_while_acting_still_quarantines_the_bad_page(monkeypatch):
+    """The batch fails closed, and the flipped shared page is quarantined all the same: a request
+    arriving before the idle flush must not adopt it from the prefix cache."""
+    pool = _pool()
+    g = pool.guard
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("injected")
+
+    monkeypatch.setattr(g, "_act", broken)
+    SCENARIOS["bit_flip_shared"](pool)
+    assert any(v.kinds == Kind.GUARD_ERROR for v in pool.violations)
+    assert _quarantined(pool) and g.flush_wanted and g.tree_suspect
+
+
 def test_a_storm_logs_a_few_lines_and_counts_the_rest():
     """A fault every step: the log writes a burst per event and window, the rest is counted."""
     pool = _pool()
