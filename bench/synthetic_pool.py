@@ -8,13 +8,14 @@ prefixes hold identical bytes. Every engine event reaches the guard through its 
 ``on_share``, ``on_rows_allocated``), in the order SGLang makes them. Corruptions are made the
 way engine bugs make them: through the page table, the allocator, the prefix cache or the bytes,
 never through the guard's state. ``device`` puts the pool (and so the guard) on a GPU, for the
-compiled Triton kernels.
+compiled Triton kernels. ``index_layers`` adds page-major buffers laid out as a DSA pool's index
+keys; ``kv_buffers`` guards a real pool's buffers (``patches.adapter.guarded_kv_buffers``) instead.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import structlog
@@ -23,6 +24,7 @@ import torch
 from kvguard.config import GuardConfig
 from kvguard.guard import Guard
 from kvguard.kernels.backend import GuardKernels
+from kvguard.kernels.kv_checksum_ref import KvBuffer, PageMajor, page_major, row_words
 from kvguard.metrics import GuardMetrics
 from kvguard.step import ReadSums, StepView
 from kvguard.verdict import StepVerdict, Violation
@@ -93,18 +95,18 @@ class SyntheticPool:
         sweep_tokens_per_step: int = 512,
         seed: int = 0,
         device: str = "cpu",
+        index_layers: int = 0,
+        kv_buffers: Sequence[KvBuffer] | None = None,
     ):
         self.ps = page_size
         self.device = dev = torch.device(device)
         self.num_pages = num_pages
         self.num_slots = num_pages * page_size
-        g = torch.Generator().manual_seed(seed)
-        self.bufs = [
-            torch.randint(
-                0, 255, (self.num_slots, 2, row_bytes // 2), dtype=torch.uint8, generator=g
-            ).to(dev)
-            for _ in range(2 * layers)
-        ]
+        self.bufs: list[KvBuffer] = (
+            list(kv_buffers)
+            if kv_buffers is not None
+            else self._buffers(layers, row_bytes, index_layers, seed)
+        )
         self.table = torch.zeros(num_rows, max_len, dtype=torch.int32, device=dev)
         config = GuardConfig(mode=mode, sweep_tokens_per_step=sweep_tokens_per_step)
         self.guard = Guard(
@@ -125,6 +127,20 @@ class SyntheticPool:
         self.violations: list[Violation] = []
         self.trace: list[dict[str, torch.Tensor]] | None = None  # snapshots after each forward
         self._n = 0
+
+    def _buffers(self, layers: int, row_bytes: int, index_layers: int, seed: int) -> list[KvBuffer]:
+        g = torch.Generator().manual_seed(seed)
+        n, ps, dev = self.num_slots, self.ps, self.device
+        out: list[KvBuffer] = [
+            torch.randint(0, 255, (n, 2, row_bytes // 2), dtype=torch.uint8, generator=g).to(dev)
+            for _ in range(2 * layers)
+        ]
+        for _ in range(index_layers):  # per page: ps keys of 128 bytes, then their fp32 scales
+            idx = torch.randint(0, 255, (n // ps, ps * 132), dtype=torch.uint8, generator=g)
+            idx = idx.to(dev)
+            out.append(page_major(idx, offset=0, slot_bytes=128, row_bytes=128, per_page=ps))
+            out.append(page_major(idx, offset=ps * 128, slot_bytes=4, row_bytes=4, per_page=ps))
+        return out
 
     # -- requests ---------------------------------------------------------------------------------------
     def admit(
@@ -240,15 +256,28 @@ class SyntheticPool:
         lens = [r.length + n for r, n in zip(reqs, counts)]
         rows = torch.cat([self.table[r.row, :n].to(torch.int64) for r, n in zip(reqs, lens)])
         acc = torch.zeros(rows.numel(), dtype=torch.int64, device=self.device)
+        hashed = []
         for i, b in enumerate(self.bufs):
-            ref.gather_rows(b, rows, None, ref.buffer_constants(i, b[0].numel()), acc)
+            if isinstance(b, PageMajor):  # index keys: read by an indexer, not by attention
+                continue
+            row_bytes = b[0].numel() * b.element_size()
+            ref.gather_rows(b, rows, None, ref.buffer_constants(i, row_bytes), acc)
+            hashed.append(i)
         req_rows = torch.tensor([r.row for r in reqs], dtype=torch.int64, device=self.device)
-        return ReadSums(rows, lens, req_rows, acc, list(range(len(self.bufs))))
+        return ReadSums(rows, lens, req_rows, acc, hashed)
 
     def write_kv(self, slots: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor) -> None:
         """The forward's KV writes: bytes a function of (token, position, buffer)."""
         for i, b in enumerate(self.bufs):
             val = ((tokens * 31 + positions * 7 + i * 13) % 251).to(torch.uint8)
+            if isinstance(b, PageMajor) or b.dtype != torch.uint8:  # a real pool's: as bytes
+                rows = row_words(b).view(torch.uint8)
+                step = torch.arange(rows.shape[-1], dtype=torch.uint8, device=rows.device)
+                if rows.dim() == 2:
+                    rows[slots] = val[:, None] + step
+                else:  # page-major: slot s is row s % per_page of page s // per_page
+                    rows[slots // rows.shape[1], slots % rows.shape[1]] = val[:, None] + step
+                continue
             b[slots] = val[:, None, None].expand(-1, b.shape[1], b.shape[2]) + torch.arange(
                 b.shape[2], dtype=torch.uint8, device=b.device
             )
@@ -306,7 +335,9 @@ class SyntheticPool:
             out["page." + name] = t.clone()
         for name, t in zip(("gen", "n_pages", "agg", "chain_len", "chain_tail"), R.tensors()):
             out["row." + name] = t.clone()
-        out["kv"] = torch.stack([b.sum(dtype=torch.int64) for b in self.bufs])
+        out["kv"] = torch.stack(
+            [(b.words if isinstance(b, PageMajor) else b).sum(dtype=torch.int64) for b in self.bufs]
+        )
         return out
 
     def flagged(self) -> set[str]:

@@ -12,7 +12,7 @@ verdicts as the reference (``tests/test_guard_kernels.py``).
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 import torch
@@ -20,12 +20,13 @@ import torch
 from . import guard_ref
 from .guard_ref import CheckParams, StepCheck, StepInputs
 from .guard_state import PageArrays, RowArrays
+from .kv_checksum_ref import KvBuffer
 
 
 class GuardKernels(Protocol):
     name: str
 
-    def bind(self, P: PageArrays, R: RowArrays, buffers: list[torch.Tensor]) -> None:
+    def bind(self, P: PageArrays, R: RowArrays, buffers: Sequence[KvBuffer]) -> None:
         """The pool this backend serves (compiled backends keep its addresses)."""
 
     def workspace_bytes(self) -> int:
@@ -37,7 +38,7 @@ class GuardKernels(Protocol):
         R: RowArrays,
         x: StepInputs,
         cp: CheckParams,
-        buffers: list[torch.Tensor],
+        buffers: Sequence[KvBuffer],
     ) -> StepCheck: ...
 
     def apply_step(
@@ -49,7 +50,7 @@ class GuardKernels(Protocol):
         P: PageArrays,
         x: StepInputs,
         c: StepCheck,
-        buffers: list[torch.Tensor],
+        buffers: Sequence[KvBuffer],
         page_size: int,
         checksums: bool,
     ) -> torch.Tensor | None: ...
@@ -68,7 +69,7 @@ class TorchKernels:
 
     name = "torch"
 
-    def bind(self, P: PageArrays, R: RowArrays, buffers: list[torch.Tensor]) -> None:
+    def bind(self, P: PageArrays, R: RowArrays, buffers: Sequence[KvBuffer]) -> None:
         pass
 
     def workspace_bytes(self) -> int:

@@ -10,13 +10,14 @@ views of them, made only when something reads them (a violation, a test).
 from __future__ import annotations
 
 from array import array
+from collections.abc import Sequence
 
 import torch
 
 from . import _guard_cpu as C  # built by setup.sh / pip install (setuptools ext-modules)
 from .guard_ref import CheckParams, StepCheck, StepInputs
 from .guard_state import PageArrays, RowArrays
-from .kv_checksum_ref import _row_word_views, word_constants
+from .kv_checksum_ref import KvBuffer, _row_word_views, word_constants
 
 _I64 = torch.int64
 
@@ -40,17 +41,20 @@ def _need(t: torch.Tensor, dtype: torch.dtype, what: str) -> torch.Tensor:
 class _Context:
     """The addresses of one pool's ledger, rows and KV buffers, packed once for the C side."""
 
-    def __init__(self, P: PageArrays, R: RowArrays, buffers: list[torch.Tensor]):
+    def __init__(self, P: PageArrays, R: RowArrays, buffers: Sequence[KvBuffer]):
         self.P, self.R = P, R
         self.buffers = buffers
         views = _row_word_views(buffers) if buffers else []
-        self.wmax = max((v.shape[1] for v in views), default=0)
+        self.wmax = max((v.shape[-1] for v in views), default=0)
         consts = word_constants(len(views), max(self.wmax, 1))
         self.lo = (consts & 0xFFFFFFFF).to(torch.int64).to(torch.int32).contiguous()  # bits kept
         self.hi = ((consts >> 32) & 0xFFFFFFFF).to(torch.int64).to(torch.int32).contiguous()
         desc = []
-        for v in views:  # slot-major buffers (page_stride 0)
-            desc += [v.data_ptr(), v.stride(0) * 4, 0, 1, v.shape[1]]
+        for v in views:  # (base, slot stride, page stride (0: slot-major), slots per page, words)
+            if v.dim() == 2:
+                desc += [v.data_ptr(), v.stride(0) * 4, 0, 1, v.shape[1]]
+            else:
+                desc += [v.data_ptr(), v.stride(1) * 4, v.stride(0) * 4, v.shape[1], v.shape[2]]
         self.desc = array("q", desc or [0])
         pa = [
             P.state,
@@ -78,7 +82,7 @@ class _Context:
         )
         self.addr = self.ctx.buffer_info()[0]
 
-    def matches(self, P: PageArrays, R: RowArrays, buffers: list[torch.Tensor]) -> bool:
+    def matches(self, P: PageArrays, R: RowArrays, buffers: Sequence[KvBuffer]) -> bool:
         return P is self.P and R is self.R and buffers is self.buffers
 
 
@@ -193,7 +197,7 @@ class CpuKernels:
         self._ws: list[_Workspace] = []
         self._turn = 0
 
-    def bind(self, P: PageArrays, R: RowArrays, buffers: list[torch.Tensor]) -> None:
+    def bind(self, P: PageArrays, R: RowArrays, buffers: Sequence[KvBuffer]) -> None:
         self._ctx = _Context(P, R, buffers)
         self._ws = [_Workspace(P.state.numel()), _Workspace(P.state.numel())]
 
@@ -201,7 +205,7 @@ class CpuKernels:
         """Host bytes of the two step workspaces (4 per page, plus per-step arrays)."""
         return sum(w.nbytes() for w in self._ws)
 
-    def _context(self, P: PageArrays, R: RowArrays, buffers: list[torch.Tensor]) -> _Context:
+    def _context(self, P: PageArrays, R: RowArrays, buffers: Sequence[KvBuffer]) -> _Context:
         if self._ctx is None or not self._ctx.matches(P, R, buffers):
             self.bind(P, R, buffers)
         assert self._ctx is not None
@@ -213,7 +217,7 @@ class CpuKernels:
         R: RowArrays,
         x: StepInputs,
         cp: CheckParams,
-        buffers: list[torch.Tensor],
+        buffers: Sequence[KvBuffer],
     ) -> StepCheck:
         ctx = self._context(P, R, buffers)
         B, N, T = x.rows.numel(), x.write_slots.numel(), x.read_pages_total
@@ -264,7 +268,7 @@ class CpuKernels:
         P: PageArrays,
         x: StepInputs,
         c: StepCheck,
-        buffers: list[torch.Tensor],
+        buffers: Sequence[KvBuffer],
         page_size: int,
         checksums: bool,
     ) -> None:
@@ -334,7 +338,7 @@ class CpuKernels:
         )
 
     def token_digests(
-        self, buffers: list[torch.Tensor], slots: torch.Tensor, positions: torch.Tensor
+        self, buffers: Sequence[KvBuffer], slots: torch.Tensor, positions: torch.Tensor
     ) -> torch.Tensor:
         """The checksum alone (benchmarks and the equivalence test)."""
         ctx = _Context(PageArrays.empty(1, "cpu"), RowArrays.empty(1, "cpu"), buffers)

@@ -41,6 +41,7 @@ each row at most once (as SGLang's batches do):
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -54,7 +55,7 @@ from .guard_state import (
     PageState,
     RowArrays,
 )
-from .kv_checksum_ref import fmix64, splitmix64, to_signed64, token_digests_ref
+from .kv_checksum_ref import KvBuffer, fmix64, splitmix64, to_signed64, token_digests_ref
 
 _I64 = torch.int64
 GOLDEN = to_signed64(0x9E3779B97F4A7C15)
@@ -210,7 +211,7 @@ def _first_occurrence(pages: torch.Tensor, num_pages: int) -> torch.Tensor:
 
 
 def page_digests(
-    buffers: list[torch.Tensor], P: PageArrays, pages: torch.Tensor, page_size: int
+    buffers: Sequence[KvBuffer], P: PageArrays, pages: torch.Tensor, page_size: int
 ) -> torch.Tensor:
     """Digest of each page's sealed tokens (at the page's own logical positions): [n] int64."""
     n = pages.numel()
@@ -252,7 +253,7 @@ def check_step(
     R: RowArrays,
     x: StepInputs,
     cp: CheckParams,
-    buffers: list[torch.Tensor],
+    buffers: Sequence[KvBuffer],
 ) -> StepCheck:
     ps = cp.page_size
     dev = P.state.device
@@ -497,7 +498,7 @@ def seal_step(
     P: PageArrays,
     x: StepInputs,
     c: StepCheck,
-    buffers: list[torch.Tensor],
+    buffers: Sequence[KvBuffer],
     page_size: int,
     checksums: bool,
 ) -> torch.Tensor:

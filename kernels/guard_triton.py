@@ -63,6 +63,7 @@ in the check, as the reference; on a GPU at resolve, after the engine's sync).
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -71,6 +72,7 @@ import torch
 
 from .guard_ref import CheckParams, StepCheck, StepInputs
 from .guard_state import PageArrays, RowArrays
+from .kv_checksum_ref import KvBuffer
 from .triton_common import _BIG32, _I32, _I64, HDR, MCAP, OREC, REC, _cdiv, _pow2, _probe_kernel
 from .triton_common import _interpreting as _interpreting  # tests patch guard_triton._interpreting
 from .triton_seal import _finish_digests_kernel, _hash_kernel, _seal_kernel
@@ -250,7 +252,7 @@ class TritonKernels:
         self.launches = 0  # kernels enqueued since creation (bench.step counts dispatches)
         self._P: PageArrays | None = None
         self._R: RowArrays | None = None
-        self._buffers: list[torch.Tensor] | None = None
+        self._buffers: Sequence[KvBuffer] | None = None
         self._ws: list[_Workspace] = []
         self._turn = 0
         self._stamp = 0
@@ -258,7 +260,7 @@ class TritonKernels:
         self.zero_copy = False
 
     # -- pool ----------------------------------------------------------------------------------------
-    def bind(self, P: PageArrays, R: RowArrays, buffers: list[torch.Tensor]) -> None:
+    def bind(self, P: PageArrays, R: RowArrays, buffers: Sequence[KvBuffer]) -> None:
         dev = P.state.device
         if dev.type == "cpu" and not _interpreting():
             raise ValueError("the Triton kernels need a CUDA pool (or TRITON_INTERPRET=1)")
@@ -309,7 +311,7 @@ class TritonKernels:
         return own + sum(w.nbytes() for w in self._ws)
 
     def _bound(
-        self, P: PageArrays, R: RowArrays | None, buffers: list[torch.Tensor] | None
+        self, P: PageArrays, R: RowArrays | None, buffers: Sequence[KvBuffer] | None
     ) -> None:
         if (
             self._P is not P
@@ -352,7 +354,7 @@ class TritonKernels:
         R: RowArrays,
         x: StepInputs,
         cp: CheckParams,
-        buffers: list[torch.Tensor],
+        buffers: Sequence[KvBuffer],
     ) -> StepCheck:
         self._bound(P, R, buffers)
         self._finish_pending()
@@ -523,7 +525,7 @@ class TritonKernels:
         P: PageArrays,
         x: StepInputs,
         c: StepCheck,
-        buffers: list[torch.Tensor],
+        buffers: Sequence[KvBuffer],
         page_size: int,
         checksums: bool,
     ) -> torch.Tensor:
@@ -588,7 +590,7 @@ class TritonKernels:
         return keep, double
 
     def token_digests(
-        self, buffers: list[torch.Tensor], slots: torch.Tensor, positions: torch.Tensor
+        self, buffers: Sequence[KvBuffer], slots: torch.Tensor, positions: torch.Tensor
     ) -> torch.Tensor:
         """The checksum alone, as the seal computes it (benchmarks and tests)."""
         dev = slots.device

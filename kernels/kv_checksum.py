@@ -28,6 +28,7 @@ Design (one launch per KV buffer, no host-device sync):
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 
 import torch
 
@@ -38,6 +39,7 @@ from .kv_checksum_ref import (
     SM_GAMMA,
     SM_M1,
     SM_M2,
+    KvBuffer,
     _row_word_views,
     block_digests,
     row_words,
@@ -73,7 +75,10 @@ if HAVE_TRITON:
         acc_ptr,  # int64 [N]: inner sums so far; digests after LAST
         N,
         W,
-        stride_slot,  # in int32 words
+        stride_slot,  # in int32 words (between a page's rows, for a page-major buffer)
+        stride_page,  # in int32 words (page-major only)
+        per_page,  # rows per page (page-major only)
+        PAGED: tl.constexpr,  # slot s is row s % per_page of page s // per_page
         FIRST: tl.constexpr,
         LAST: tl.constexpr,
         BLOCK_N: tl.constexpr,
@@ -83,7 +88,10 @@ if HAVE_TRITON:
         offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
         mask_n = offs_n < N
         slot = tl.load(slots_ptr + offs_n, mask=mask_n, other=0).to(tl.int64)
-        row_ptr = words_ptr + slot * stride_slot  # int64 offsets: big pools
+        if PAGED:
+            row_ptr = words_ptr + (slot // per_page) * stride_page + (slot % per_page) * stride_slot
+        else:
+            row_ptr = words_ptr + slot * stride_slot  # int64 offsets: big pools
         offs_w = tl.arange(0, BLOCK_W)
 
         tile = tl.zeros([BLOCK_N, BLOCK_W], dtype=tl.uint64)
@@ -137,7 +145,7 @@ def _use_triton(device: torch.device) -> bool:
 
 
 def token_digests_triton(
-    buffers: list[torch.Tensor],
+    buffers: Sequence[KvBuffer],
     slots: torch.Tensor,
     positions: torch.Tensor,
     block_n: int = 64,
@@ -152,12 +160,12 @@ def token_digests_triton(
     if n == 0:
         return out
     views = [row_words(b) for b in buffers]
-    wmax = max(v.shape[1] for v in views)
+    wmax = max(v.shape[-1] for v in views)
     consts = word_constants(len(views), max(wmax, 1), device)
     nb = len(views)
     for bi, v in enumerate(views):
         assert v.device == device, "KV buffers, slots and positions must share a device"
-        w = v.shape[1]
+        w, paged = v.shape[-1], v.dim() == 3
         bw = block_w or min(64, _next_pow2(max(w, 1)))
         grid = (triton.cdiv(n, block_n),)
         _kv_checksum_kernel[grid](
@@ -168,7 +176,10 @@ def token_digests_triton(
             out,
             n,
             w,
-            v.stride(0),
+            v.stride(1) if paged else v.stride(0),
+            v.stride(0) if paged else 0,
+            v.shape[1] if paged else 1,
+            PAGED=paged,
             FIRST=bi == 0,
             LAST=bi == nb - 1,
             BLOCK_N=block_n,
@@ -178,9 +189,10 @@ def token_digests_triton(
 
 
 def token_digests(
-    buffers: list[torch.Tensor], slots: torch.Tensor, positions: torch.Tensor
+    buffers: Sequence[KvBuffer], slots: torch.Tensor, positions: torch.Tensor
 ) -> torch.Tensor:
-    """Token digests, int64 [N]; ``buffers`` = [k0, v0, k1, v1, ...] (each [num_slots, ...]).
+    """Token digests, int64 [N]; ``buffers`` = [k0, v0, k1, v1, ...] (each [num_slots, ...] or
+    ``PageMajor``).
 
     Dispatch: Triton when the tensors are on CUDA (or KVGUARD_FORCE_TRITON=1,
     e.g. with TRITON_INTERPRET=1 on CPU tensors), else the torch reference.

@@ -3,6 +3,7 @@
 Definition (the Triton kernel in ``kv_checksum.py`` reproduces it bit for bit):
 
     buffers b = [layer0 K, layer0 V, layer1 K, layer1 V, ...], each [num_slots, ...]
+                (or page-major, ``PageMajor``: slot s is row s % n of page s // n)
     word_b,j(s) = j-th little-endian uint32 word of slot s's row in buffer b
     C[b, j]     = splitmix64(SEED + b * 2**32 + j) | 1            (odd)
     inner(s)    = sum_b sum_j zext64(word_b,j(s)) * C[b, j]        (mod 2**64)
@@ -29,6 +30,9 @@ logical shift masks off the sign-extended high bits.
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -130,12 +134,53 @@ def word_constants(
     return c
 
 
-def row_words(buf: torch.Tensor) -> torch.Tensor:
-    """View buffer [num_slots, ...] as int32 words [num_slots, words_per_row] (no copy).
+@dataclass(frozen=True, eq=False)
+class PageMajor:
+    """A KV buffer stored page-major: slot s's row is row ``s % per_page`` of page
+    ``s // per_page`` (DSA's index keys: each page holds 64 keys, then their 64 scales).
+    ``words``: int32 [num_pages, per_page, words_per_row], a strided view of the pool's bytes."""
+
+    words: torch.Tensor
+
+    def data_ptr(self) -> int:  # where its first row starts: how a read names the buffer
+        return int(self.words.data_ptr())
+
+    @property
+    def device(self) -> torch.device:
+        return self.words.device
+
+
+# What the checksum reads: a slot-major tensor [num_slots, ...] or a page-major view.
+KvBuffer = torch.Tensor | PageMajor
+
+
+def page_major(
+    buf: torch.Tensor, *, offset: int, slot_bytes: int, row_bytes: int, per_page: int
+) -> PageMajor:
+    """The rows of ``row_bytes`` bytes at byte ``offset + o * slot_bytes`` of each page
+    ``buf[p]`` (``buf``: [num_pages, page_bytes], rows contiguous), ``per_page`` of them."""
+    u8 = buf.view(torch.uint8) if buf.dtype != torch.uint8 else buf
+    if u8.dim() != 2 or (u8.shape[1] > 1 and u8.stride(1) != 1):
+        raise ValueError("a page-major buffer is [num_pages, page_bytes] with contiguous pages")
+    if offset + (per_page - 1) * slot_bytes + row_bytes > u8.shape[1] or row_bytes > slot_bytes:
+        raise ValueError(f"{per_page} rows of {row_bytes} bytes do not fit a page")
+    page_bytes = u8.stride(0) if u8.shape[0] > 1 else u8.shape[1]
+    start = u8.storage_offset() + offset
+    if any(v % 4 for v in (row_bytes, slot_bytes, page_bytes, start, u8.data_ptr() + offset)):
+        raise ValueError("page-major rows, strides and offsets must be multiples of 4 bytes")
+    rows = u8.as_strided((u8.shape[0], per_page, row_bytes), (page_bytes, slot_bytes, 1), start)
+    return PageMajor(rows.view(torch.int32))
+
+
+def row_words(buf: KvBuffer) -> torch.Tensor:
+    """View buffer [num_slots, ...] as int32 words [num_slots, words_per_row] (no copy); a
+    ``PageMajor`` buffer as its [num_pages, per_page, words_per_row] words.
 
     Requires each slot's row to be contiguous and its byte size and the slot
     stride (in bytes) to be multiples of 4.
     """
+    if isinstance(buf, PageMajor):
+        return buf.words
     if buf.dim() == 0:
         raise ValueError("KV buffer must have a slot dimension")
     b = buf.unsqueeze(1) if buf.dim() == 1 else buf
@@ -158,10 +203,10 @@ def row_words(buf: torch.Tensor) -> torch.Tensor:
     return b.view(torch.int32)
 
 
-_VIEW_CACHE: dict[tuple[int, ...], tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
+_VIEW_CACHE: dict[tuple[int, ...], tuple[Sequence[KvBuffer], list[torch.Tensor]]] = {}
 
 
-def _row_word_views(buffers: list[torch.Tensor]) -> list[torch.Tensor]:
+def _row_word_views(buffers: Sequence[KvBuffer]) -> list[torch.Tensor]:
     """``row_words`` of each buffer, cached per pool (the engine hashes the same buffers every
     step; the layout checks need not run each time)."""
     key = (id(buffers), len(buffers), buffers[0].data_ptr(), buffers[-1].data_ptr())
@@ -175,21 +220,30 @@ def _row_word_views(buffers: list[torch.Tensor]) -> list[torch.Tensor]:
     return views
 
 
-def inner_sums_ref(buffers: list[torch.Tensor], slots: torch.Tensor) -> torch.Tensor:
+def gather_words(words: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """The rows of ``slots`` from a ``row_words`` view: int32 [N, words_per_row], one gather
+    (two-level for a page-major buffer: page = slot // per_page, row = slot % per_page)."""
+    if words.dim() == 2:
+        return torch.index_select(words, 0, slots)
+    per_page = words.shape[1]
+    return words[slots // per_page, slots % per_page]
+
+
+def inner_sums_ref(buffers: Sequence[KvBuffer], slots: torch.Tensor) -> torch.Tensor:
     """inner(s) for each slot in ``slots``: int64 [N] (wrapping)."""
     device = buffers[0].device if buffers else slots.device
     slots = slots.to(device=device, dtype=torch.int64)
     n = slots.numel()
     views = _row_word_views(buffers)
-    wmax = max((v.shape[1] for v in views), default=0)
+    wmax = max((v.shape[-1] for v in views), default=0)
     consts = word_constants(len(views), wmax, device)
     if n == 0 or wmax == 0:
         return torch.zeros(n, dtype=torch.int64, device=device)
-    if n * len(views) * wmax <= _CHUNK_ELEMS and all(v.shape[1] == wmax for v in views):
+    if n * len(views) * wmax <= _CHUNK_ELEMS and all(v.shape[-1] == wmax for v in views):
         # Small batches (the engine's per-step calls): one gather per buffer, then a single
         # widen/mask/multiply/sum over all buffers; per-op overhead dominates at this size.
         # Wrapping integer sums are order-independent, so this equals the chunked loop below.
-        x = torch.stack([torch.index_select(v, 0, slots) for v in views], 1).to(torch.int64)
+        x = torch.stack([gather_words(v, slots) for v in views], 1).to(torch.int64)
         return x.bitwise_and_(0xFFFFFFFF).mul_(consts).sum((1, 2))
     inner = torch.zeros(n, dtype=torch.int64, device=device)
     # Chunk over slots so temporaries stay ~_CHUNK_ELEMS elements; the work
@@ -198,10 +252,10 @@ def inner_sums_ref(buffers: list[torch.Tensor], slots: torch.Tensor) -> torch.Te
     step = max(1, min(n, _CHUNK_ELEMS // wmax))
     g32 = torch.empty(step * wmax, dtype=torch.int32, device=device)
     x64 = torch.empty(step * wmax, dtype=torch.int64, device=device)
-    wmin = min(v.shape[1] for v in views if v.shape[1] > 0)
+    wmin = min(v.shape[-1] for v in views if v.shape[-1] > 0)
     part = torch.empty(min(n, (step * wmax) // wmin), dtype=torch.int64, device=device)
     for bi, v in enumerate(views):
-        w = v.shape[1]
+        w = v.shape[-1]
         if w == 0:
             continue
         c = consts[bi, :w]
@@ -210,7 +264,10 @@ def inner_sums_ref(buffers: list[torch.Tensor], slots: torch.Tensor) -> torch.Te
             hi = min(n, lo + step_b)
             m = hi - lo
             g = g32[: m * w].view(m, w)
-            torch.index_select(v, 0, slots[lo:hi], out=g)  # gather rows
+            if v.dim() == 2:
+                torch.index_select(v, 0, slots[lo:hi], out=g)  # gather rows
+            else:
+                g.copy_(gather_words(v, slots[lo:hi]))
             x = x64[: m * w].view(m, w)
             x.copy_(g)  # sign-extends int32 -> int64 ...
             x.bitwise_and_(0xFFFFFFFF)  # ... so mask: zext64 of the uint32 word
@@ -222,7 +279,7 @@ def inner_sums_ref(buffers: list[torch.Tensor], slots: torch.Tensor) -> torch.Te
 
 
 def token_digests_ref(
-    buffers: list[torch.Tensor], slots: torch.Tensor, positions: torch.Tensor
+    buffers: Sequence[KvBuffer], slots: torch.Tensor, positions: torch.Tensor
 ) -> torch.Tensor:
     """Token digests, int64 [N]. ``buffers`` = [k0, v0, k1, v1, ...]."""
     if slots.dim() != 1 or positions.dim() != 1 or slots.numel() != positions.numel():

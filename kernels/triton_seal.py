@@ -12,11 +12,13 @@ buffers out for them (host side).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 import triton
 import triton.language as tl
 
-from .kv_checksum_ref import _row_word_views, word_constants
+from .kv_checksum_ref import KvBuffer, _row_word_views, word_constants
 from .triton_common import (
     _HDR,
     _I32,
@@ -45,7 +47,9 @@ from .triton_common import (
 def _token_inner(kv_base, kv_tab, kv_consts, wmax, nbuf, slot, mask, g, G, BT: tl.constexpr,
                  BWORD: tl.constexpr, WCONST: tl.constexpr, ALIGN: tl.constexpr):  # fmt: skip
     """Partial inner sums of tokens at ``slot`` over buffers g, g + G, ...: [BT] uint64.
-    kv_tab[b] = (word offset of buffer b from buffer 0, words per row, row stride in words).
+    kv_tab[b] = (word offset of buffer b from buffer 0, words per row, row stride in words, page
+    stride in words (0: slot-major), rows per page): a page-major buffer's slot s is row
+    s % per_page of page s // per_page (guard_cpu.c's ``slot_words``).
     Each word w times its odd constant C = lo + hi * 2**32 is summed as w * lo (one widening
     32-bit multiply) plus (w * hi mod 2**32) * 2**32: the same value mod 2**64. WCONST: every
     row has this many words, a multiple of BWORD (unmasked, vectorizable word loads); ALIGN:
@@ -54,9 +58,14 @@ def _token_inner(kv_base, kv_tab, kv_consts, wmax, nbuf, slot, mask, g, G, BT: t
     hi_acc = tl.full([BT, BWORD], 0, tl.uint32)
     cols = tl.arange(0, BWORD)
     for bi in range(g, nbuf, G):
-        off = tl.load(kv_tab + bi * 3)
-        stride = tl.load(kv_tab + bi * 3 + 2)
-        start = off + slot * stride
+        off = tl.load(kv_tab + bi * 5)
+        stride = tl.load(kv_tab + bi * 5 + 2)
+        pstride = tl.load(kv_tab + bi * 5 + 3)
+        if pstride != 0:  # page-major (DSA index keys and scales)
+            per_page = tl.load(kv_tab + bi * 5 + 4)
+            start = off + (slot // per_page) * pstride + (slot % per_page) * stride
+        else:
+            start = off + slot * stride
         if ALIGN > 1:
             start = tl.multiple_of(start, ALIGN)
         row = kv_base + start
@@ -69,7 +78,7 @@ def _token_inner(kv_base, kv_tab, kv_consts, wmax, nbuf, slot, mask, g, G, BT: t
                 lo_acc += x.to(tl.uint64) * (c & 0xFFFFFFFF)[None, :]
                 hi_acc += x * (c >> 32).to(tl.uint32)[None, :]
         else:
-            w = tl.load(kv_tab + bi * 3 + 1)
+            w = tl.load(kv_tab + bi * 5 + 1)
             for w0 in range(0, w, BWORD):
                 cw = w0 + cols
                 mw = cw < w
@@ -231,14 +240,19 @@ class _KvTables:
     """The pool's KV buffers as one base address plus per-buffer word offsets (the checksum
     kernels read every layer in one launch)."""
 
-    def __init__(self, buffers: list[torch.Tensor], device: torch.device):
+    def __init__(self, buffers: Sequence[KvBuffer], device: torch.device):
         views = _row_word_views(buffers) if buffers else []
         self.nbuf = len(views)
-        self.wmax = max((v.shape[1] for v in views), default=1)
+        self.wmax = max((v.shape[-1] for v in views), default=1)
         if views:
             self.base = views[0]
             p0 = views[0].data_ptr()
-            tab = [[(v.data_ptr() - p0) // 4, v.shape[1], v.stride(0)] for v in views]
+            tab = [
+                [(v.data_ptr() - p0) // 4, v.shape[1], v.stride(0), 0, 1]
+                if v.dim() == 2
+                else [(v.data_ptr() - p0) // 4, v.shape[2], v.stride(1), v.stride(0), v.shape[1]]
+                for v in views
+            ]
             for v in views:
                 if v.device != device:
                     raise ValueError("KV buffers must be on the ledger's device")
@@ -246,17 +260,17 @@ class _KvTables:
                     raise ValueError("KV buffers must be 4-byte aligned")
         else:
             self.base = torch.zeros(1, dtype=_I32, device=device)
-            tab = [[0, 0, 0]]
+            tab = [[0, 0, 0, 0, 1]]
         self.tab = torch.tensor(tab, dtype=_I64).to(device)
         self.consts = word_constants(max(self.nbuf, 1), max(self.wmax, 1), device).contiguous()
-        widths = {v.shape[1] for v in views}
+        widths = {v.shape[-1] for v in views}
         w = widths.pop() if len(widths) == 1 else 0
         even = w & -w  # the largest power of two dividing a common row width
         if w and even >= 16:  # every row the same width: whole tiles, no word mask
             self.bword, self.wconst = min(128, even), w
         else:
             self.bword, self.wconst = min(128, _pow2(max(self.wmax, 1))), 0
-        words = [t for row in tab for t in (row[0], row[2])] if views else [0]
+        words = [t for row in tab for t in (row[0], row[2], row[3])] if views else [0]
         aligned = views and views[0].data_ptr() % 16 == 0 and all(t % 4 == 0 for t in words)
         self.align = 4 if aligned else 1
         self.meta = dict(BWORD=self.bword, WCONST=self.wconst, ALIGN=self.align)

@@ -8,10 +8,11 @@ the claims it returns. The only state here is where the rolling checksum windows
 
 from __future__ import annotations
 
-import torch
+from collections.abc import Sequence
 
 from kvguard.config import GuardConfig, Mode
 from kvguard.kernels.guard_ref import CheckParams, StepCheck, StepInputs
+from kvguard.kernels.kv_checksum_ref import KvBuffer
 from kvguard.ledger import PageLedger
 from kvguard.records import RowRecords
 from kvguard.step import StepView
@@ -28,14 +29,14 @@ class StepChecker:
         ledger: PageLedger,
         records: RowRecords,
         config: GuardConfig,
-        kv_buffers: list[torch.Tensor],
+        kv_buffers: Sequence[KvBuffer],
     ):
         self.ledger = ledger
         self.records = records
         self.config = config  # a property: the mode's constants are worked out once
-        self.kv_buffers = list(
-            kv_buffers
-        )  # every stored byte, slot-major ([k0, v0, ...] or latents)
+        # every stored byte: slot-major tensors ([k0, v0, ...] or latents), then page-major
+        # views (DSA's index keys and scales)
+        self.kv_buffers: list[KvBuffer] = list(kv_buffers)
         self.window_cursor = 0  # read-set window position (read-page entries of the batch)
         self.sweep_cursor = 0  # resting-pool sweep position (pages)
         # Set by the guard after a quarantine, until the engine flushes its caches: every read is

@@ -9,6 +9,7 @@ The state grows with the pool (72 bytes per page), never with rows x context.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -17,6 +18,7 @@ from kvguard.kernels import guard_ref
 from kvguard.kernels.backend import GuardKernels, per_request
 from kvguard.kernels.guard_ref import StepCheck, StepInputs
 from kvguard.kernels.guard_state import NO_ROW, Event, PageArrays, PageState
+from kvguard.kernels.kv_checksum_ref import KvBuffer, PageMajor
 from kvguard.records import RowRecords
 
 __all__ = ["Event", "IntegrityError", "PageLedger", "PageState"]
@@ -114,7 +116,7 @@ class PageLedger:
         self.kernels.apply_step(self.pages, records.rows, x, check, self.page_size)
 
     def seal(
-        self, x: StepInputs, check: StepCheck, buffers: list[torch.Tensor], checksums: bool
+        self, x: StepInputs, check: StepCheck, buffers: Sequence[KvBuffer], checksums: bool
     ) -> None:
         """After the forward: the tokens that landed are sealed (and hashed in checksum modes;
         without checksums the seal is queued like a hand-out)."""
@@ -136,7 +138,7 @@ class PageLedger:
         self.num_quarantined += int(new.numel())
         return new, were_free
 
-    def scrub(self, pages: torch.Tensor, buffers: list[torch.Tensor], step: int) -> torch.Tensor:
+    def scrub(self, pages: torch.Tensor, buffers: Sequence[KvBuffer], step: int) -> torch.Tensor:
         """Quarantined pages nobody holds any more go back to service: their bytes zeroed in
         every KV buffer (nothing of the bad content can be read again), their entry reset to
         FREE with QUARANTINED as its prior (a stale reader of it is a wrong owner, never a
@@ -147,8 +149,13 @@ class PageLedger:
         if pages.numel() == 0:
             return pages
         slots = (pages[:, None] * ps + torch.arange(ps, device=pages.device)).reshape(-1)
-        for b in buffers:  # as bytes: FP8 storage has no fill kernels of its own
-            rows = b.reshape(b.shape[0], -1).view(torch.uint8)
+        for b in buffers:
+            if isinstance(b, PageMajor):  # slot s: row s % per_page of page s // per_page
+                w = b.words
+                s = slots[slots < w.shape[0] * w.shape[1]].to(w.device)
+                w[s // w.shape[1], s % w.shape[1]] = 0
+                continue
+            rows = b.reshape(b.shape[0], -1).view(torch.uint8)  # FP8 has no fill kernels
             rows.index_fill_(0, slots[slots < rows.shape[0]].to(rows.device), 0)
         P.prior[pages] = PageState.QUARANTINED
         P.state[pages] = PageState.FREE
@@ -163,7 +170,7 @@ class PageLedger:
     def reclaim(self, pages: torch.Tensor, epochs: torch.Tensor, step: int) -> torch.Tensor:
         return guard_ref.reclaim_pages(self.pages, pages, epochs, step)
 
-    def reset(self, buffers: list[torch.Tensor] | None = None) -> None:
+    def reset(self, buffers: Sequence[KvBuffer] | None = None) -> None:
         """The engine cleared its pool (flush): every page free, nothing quarantined. Pages
         that were quarantined are scrubbed first: a flush must not hand their bytes out."""
         self._pending.clear()  # hand-outs before the clear are void

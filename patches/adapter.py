@@ -8,7 +8,7 @@ from array import array
 
 import torch
 
-from kvguard.kernels.kv_checksum_ref import row_words
+from kvguard.kernels.kv_checksum_ref import KvBuffer, page_major, row_words
 from kvguard.patches import state
 from kvguard.patches.tenancy import tenant_seeds
 from kvguard.step import StepView
@@ -79,35 +79,73 @@ class UnsupportedPoolError(RuntimeError):
 
 
 # Pool kinds the guard models, by exact class name (a subclass may store more than these buffers,
-# e.g. FP4 scales or an index-key cache, so it is refused until it is modelled).
+# e.g. FP4 scales or a compressed index-key tail, so it is refused until it is modelled).
 _MHA_POOLS = ("MHATokenToKVPool",)
 _MLA_POOLS = ("MLATokenToKVPool",)
+DSA_POOLS = ("DSATokenToKVPool",)
 
 
-def guarded_kv_buffers(pool) -> tuple[str, list[torch.Tensor]]:
+def guarded_kv_buffers(pool) -> tuple[str, list[KvBuffer]]:
     """The pool's per-slot KV buffers by kind, every stored byte: MHA ``[k0, v0, k1, v1, ...]``
     (``k_buffer``/``v_buffer``, one tensor per layer), MLA ``[latent0, latent1, ...]``
-    (``kv_buffer``: one compressed latent row per token and layer). Returns (kind, buffers)."""
+    (``kv_buffer``: one compressed latent row per token and layer), DSA the MLA latents, then
+    each indexer layer's index keys and their scales (``index_key_buffers``). Returns (kind,
+    buffers)."""
     name = type(pool).__name__
+    buffers: list[KvBuffer]
     if name in _MHA_POOLS:
         k, v = pool.k_buffer, pool.v_buffer
         kind, buffers = "mha", [b for pair in zip(k, v) for b in pair]
     elif name in _MLA_POOLS:
         kind, buffers = "mla", list(pool.kv_buffer)
+    elif name in DSA_POOLS:
+        kind, buffers = "dsa", list(pool.kv_buffer)
     else:
         kind, buffers = "", []
     if kind:
         try:  # the checksum reads every stored byte as 32-bit words of contiguous slot rows
             for b in buffers:
                 row_words(b)
+            if kind == "dsa":
+                buffers += index_key_buffers(pool, num_slots=buffers[0].shape[0])
         except ValueError as exc:
             raise UnsupportedPoolError(
                 f"kvguard cannot guard the KV pool {name}: {exc} (shape {tuple(buffers[0].shape)}, "
                 f"{buffers[0].dtype}); run with --kvguard-mode off to serve this model without the guard"
             ) from None
         return kind, buffers
-    known = ", ".join(_MHA_POOLS + _MLA_POOLS)
+    known = ", ".join(_MHA_POOLS + _MLA_POOLS + DSA_POOLS)
     raise UnsupportedPoolError(
         f"kvguard cannot guard the KV pool {name} (guarded pools: {known}); "
         "run with --kvguard-mode off to serve this model without the guard"
     )
+
+
+def index_key_buffers(pool, num_slots: int) -> list[KvBuffer]:
+    """A DSA pool's index keys, two page-major views per indexer layer (SGLang's
+    ``index_k_with_scale_buffer``, DeepGEMM's layout): page p, the allocator's page p, holds the
+    FP8 keys of its slots token-major (``index_head_dim`` bytes each), then their fp32 scales.
+    Layers that reuse the previous layer's top-k (0 rows) store none. Raises ValueError for a
+    layout the guard does not model (pooled or compressed index pages)."""
+    ps, dim = pool.page_size, pool.index_head_dim
+    scale_bytes = dim // pool.quant_block_size * 4
+    if pool.index_kpool != 1 or pool.index_page_size != ps or pool.kpool_use_compress:
+        raise ValueError(
+            f"index keys pooled {pool.index_kpool} pages per row (index page "
+            f"{pool.index_page_size}, compressed {pool.kpool_use_compress}): not modelled"
+        )
+    out: list[KvBuffer] = []
+    for buf in pool.index_k_with_scale_buffer:
+        if buf.shape[0] == 0:
+            continue
+        if buf.dtype != torch.uint8 or buf.shape[1] != ps * (dim + scale_bytes):
+            raise ValueError(f"an index-key buffer {tuple(buf.shape)} {buf.dtype}")
+        if buf.shape[0] * ps < num_slots:
+            raise ValueError(f"{buf.shape[0]} index pages do not cover {num_slots} slots")
+        out.append(page_major(buf, offset=0, slot_bytes=dim, row_bytes=dim, per_page=ps))
+        out.append(
+            page_major(
+                buf, offset=ps * dim, slot_bytes=scale_bytes, row_bytes=scale_bytes, per_page=ps
+            )
+        )
+    return out

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kvguard.patches import cpu_fp8_kv, state
+from kvguard.patches.adapter import DSA_POOLS
 from kvguard.step import ReadSums
 
 _local = threading.local()  # the attention layer running now, and this forward's read record
@@ -51,6 +52,11 @@ def read_path_unavailable(model_runner) -> str | None:
     if backend != "TorchNativeAttnBackend":
         return f"attention backend {backend} (reads are hashed in torch_native only)"
     pool = model_runner.token_to_kv_pool
+    if type(pool).__name__ in DSA_POOLS:
+        # The indexer reads the index keys outside attention's gather, so a hashed read would
+        # miss them (and ``Guard.verify_reads`` would fail every step): verified modes check
+        # every read page, index keys included, before the forward instead.
+        return "a DSA pool (the indexer's index-key reads are not hashed as they are read)"
     if str(getattr(pool, "device", "cpu")) != "cpu":
         return "a GPU pool (no verified-read attention kernel for it yet)"
     try:

@@ -25,9 +25,10 @@ def test_compiled_cpu_kernels_are_built():
     assert select("cpu").name == "cpu"
 
 
-def _trace(kernels: str, scenario: str, mode: str, ps: int):
+def _trace(kernels: str, scenario: str, mode: str, ps: int, index_layers: int = 0):
     pool = SyntheticPool(page_size=ps, num_pages=4096 // ps + 16, mode=mode, max_len=512,
-                         kernels=kernels, sweep_tokens_per_step=64)  # fmt: skip
+                         kernels=kernels, sweep_tokens_per_step=64,
+                         index_layers=index_layers)  # fmt: skip
     pool.trace = []
     SCENARIOS[scenario](pool)
     return pool
@@ -46,10 +47,23 @@ _MATRIX = [
 ]  # fmt: skip
 
 
-@pytest.mark.parametrize(("scenario", "mode", "ps"), _MATRIX)
-def test_compiled_kernels_match_the_reference(scenario, mode, ps):
-    ref = _trace("torch", scenario, mode, ps)
-    cpu = _trace("cpu", scenario, mode, ps)
+# DSA pools: the latents slot-major, then page-major index keys and scales per indexer layer
+_INDEX_PAGES = [
+    (scenario, mode, ps)
+    for scenario, mode in (("clean", "sampled"), ("bit_flip_shared", "paranoid"),
+                           ("read_before_ready", "sampled"), ("table_swap", "tags"))
+    for ps in (16, 64)
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("scenario", "mode", "ps", "index_layers"),
+    [pytest.param(*case.values, 0, marks=case.marks) for case in _MATRIX]
+    + [pytest.param(*case, 2, id="index-{}-{}-ps{}".format(*case)) for case in _INDEX_PAGES],
+)  # fmt: skip
+def test_compiled_kernels_match_the_reference(scenario, mode, ps, index_layers):
+    ref = _trace("torch", scenario, mode, ps, index_layers)
+    cpu = _trace("cpu", scenario, mode, ps, index_layers)
     assert len(ref.trace) == len(cpu.trace) and ref.trace
     for step, (r, c) in enumerate(zip(ref.trace, cpu.trace)):
         for key in r:
@@ -72,6 +86,40 @@ def test_checksum_matches_the_reference():
     assert torch.equal(
         CpuKernels().token_digests(bufs, slots, pos), token_digests_ref(bufs, slots, pos)
     )
+
+
+def test_page_major_checksum_matches_the_reference():
+    """DSA's index pages (per page: 64 keys of 128 bytes, then their 64 fp32 scales): a
+    page-major buffer hashes as its rows stored slot-major would, and the compiled checksum
+    agrees with the reference, alone (one gather per buffer) and beside latent rows (chunked)."""
+    from kvguard.kernels.guard_cpu import CpuKernels
+    from kvguard.kernels.kv_checksum_ref import page_major, token_digests_ref
+
+    g = torch.Generator().manual_seed(2)
+    pages, ps = 9, 64
+    raw = [torch.randint(0, 255, (pages, ps * 132), dtype=torch.uint8, generator=g)
+           for _ in range(2)]  # fmt: skip
+    keys = [page_major(r, offset=0, slot_bytes=128, row_bytes=128, per_page=ps) for r in raw]
+    scales = [page_major(r, offset=ps * 128, slot_bytes=4, row_bytes=4, per_page=ps) for r in raw]
+    latent = torch.randn(pages * ps, 1, 192, generator=g).to(torch.bfloat16)
+    slots = torch.randint(0, pages * ps, (700,), generator=g)
+    slots[0] = 4 * ps + 9
+    pos = torch.randint(0, 1 << 20, (700,), generator=g)
+    # the same rows slot-major: slot s = page s // 64, row s % 64
+    flat = [r[:, : ps * 128].reshape(pages * ps, 128) for r in raw]
+    flat_scales = [r[:, ps * 128 :].reshape(pages * ps, 4) for r in raw]
+    for bufs, same in (
+        (keys, flat),
+        ([latent, keys[0], scales[0], keys[1], scales[1]],
+         [latent, flat[0], flat_scales[0], flat[1], flat_scales[1]]),
+    ):  # fmt: skip
+        want = token_digests_ref(same, slots, pos)
+        assert torch.equal(token_digests_ref(bufs, slots, pos), want)
+        assert torch.equal(CpuKernels().token_digests(bufs, slots, pos), want)
+    raw[1][4, ps * 128 + 4 * 9] ^= 1  # one scale bit of slot 4 * 64 + 9
+    hit = slots == 4 * ps + 9
+    moved = token_digests_ref([latent, keys[0], scales[0], keys[1], scales[1]], slots, pos) != want
+    assert torch.equal(moved, hit)
 
 
 @pytest.mark.parametrize("kernels", ["torch", "cpu"])

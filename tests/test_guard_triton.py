@@ -63,12 +63,15 @@ _ORDER_CASES = [  # programs in reverse order, KV sums over 3 buffer groups
     ("double_claim_same_step", "tags", 16),
 ]
 _DECODE_CASES = [("tags", 16), ("sampled", 1), ("paranoid", 16)]
+# DSA pools: page-major index keys and scales beside the slot-major rows
+_INDEX_CASES = [("clean", "sampled", 16), ("bit_flip_shared", "paranoid", 16)]
 
 
 def _case_ids() -> list[str]:
     ids = [f"{s}-{m}-ps{p}" for s, m, p in _SUBSET]
     ids += [f"reversed-{s}-{m}-ps{p}" for s, m, p in _ORDER_CASES]
     ids += [f"decode-{m}-ps{p}" for m, p in _DECODE_CASES]
+    ids += [f"index-{s}-{m}-ps{p}" for s, m, p in _INDEX_CASES]
     return ids + ["alloc-release", "out-of-range", "checksum"]
 
 
@@ -115,13 +118,15 @@ _LOCAL = {"table_mismatch": table_mismatch, "overwrite_sealed": overwrite_sealed
 
 
 # -- the comparison (runs in the interpreter subprocess, and compiled on CUDA) --------------------
-def _trace(kernels: Any, scenario: str, mode: str, ps: int, device: str = "cpu") -> Any:
+def _trace(kernels: Any, scenario: str, mode: str, ps: int, device: str = "cpu",
+           index_layers: int = 0) -> Any:  # fmt: skip
     from guard_scenarios import SCENARIOS
 
     from kvguard.bench.synthetic_pool import SyntheticPool
 
     pool = SyntheticPool(page_size=ps, num_pages=4096 // ps + 16, mode=mode, max_len=512,
-                         kernels=kernels, sweep_tokens_per_step=64, device=device)  # fmt: skip
+                         kernels=kernels, sweep_tokens_per_step=64, device=device,
+                         index_layers=index_layers)  # fmt: skip
     pool.trace = []
     snapshot = pool.snapshot
 
@@ -150,17 +155,18 @@ def _differences(ref: Any, got: Any, what: str) -> str | None:
     return None
 
 
-_REFERENCE: dict[tuple[str, str, int], Any] = {}  # reference traces, computed once per case
+_REFERENCE: dict[tuple[str, str, int, int], Any] = {}  # reference traces, once per case
 
 
-def _compare(scenario: str, mode: str, ps: int, device: str = "cpu", **kw: Any) -> str | None:
+def _compare(scenario: str, mode: str, ps: int, device: str = "cpu", index_layers: int = 0,
+             **kw: Any) -> str | None:  # fmt: skip
     from kvguard.kernels.guard_triton import TritonKernels
 
-    key = (scenario, mode, ps)
+    key = (scenario, mode, ps, index_layers)
     if key not in _REFERENCE:
-        _REFERENCE[key] = _trace("torch", scenario, mode, ps)
+        _REFERENCE[key] = _trace("torch", scenario, mode, ps, index_layers=index_layers)
     ref = _REFERENCE[key]
-    got = _trace(TritonKernels(**kw), scenario, mode, ps, device)
+    got = _trace(TritonKernels(**kw), scenario, mode, ps, device, index_layers)
     return _differences(ref, got, f"{scenario} {mode} ps{ps}")
 
 
@@ -285,11 +291,16 @@ def _checksum_compare() -> str | None:
     """The fused checksum (every buffer in one launch) against kv_checksum_ref: rows of one width
     (whole tiles: FP8 MHA heads, an MLA latent row) and of mixed widths, dtypes and strides."""
     from kvguard.kernels.guard_triton import TritonKernels, _KvTables
-    from kvguard.kernels.kv_checksum_ref import token_digests_ref
+    from kvguard.kernels.kv_checksum_ref import page_major, token_digests_ref
 
     g = torch.Generator().manual_seed(7)
     n = 40
     wide = torch.randn(n, 4, 8, generator=g).to(torch.bfloat16)
+    # DSA index pages of 8 slots: 8 keys of 128 bytes, then their 8 fp32 scales
+    raw = [torch.randint(0, 255, (n // 8, 8 * 132), dtype=torch.uint8, generator=g)
+           for _ in range(2)]  # fmt: skip
+    keys = [page_major(r, offset=0, slot_bytes=128, row_bytes=128, per_page=8) for r in raw]
+    scales = [page_major(r, offset=8 * 128, slot_bytes=4, row_bytes=4, per_page=8) for r in raw]
     pools = {
         "fp8 heads": [torch.randint(0, 255, (n, 2, 32), dtype=torch.uint8, generator=g)
                       for _ in range(4)],
@@ -299,13 +310,16 @@ def _checksum_compare() -> str | None:
                   torch.randint(0, 255, (n, 2, 6), dtype=torch.uint8, generator=g),
                   wide[:, :2],  # a strided view: slot stride larger than the row
                   torch.randn(n, 1, 5, generator=g)],
+        "index keys": keys,
+        "dsa": [torch.randn(n, 1, 192, generator=g).to(torch.bfloat16), keys[0], scales[0],
+                keys[1], scales[1]],
     }  # fmt: skip
     slots = torch.randint(0, n, (45,), generator=g)
     pos = torch.randint(0, 2**31 - 1, (45,), generator=g)
     for name, bufs in pools.items():
         want = token_digests_ref(bufs, slots, pos)
         kv = _KvTables(bufs, torch.device("cpu"))
-        if (kv.wconst > 0) != (name != "mixed"):
+        if (kv.wconst > 0) != (name not in ("mixed", "dsa")):
             return f"{name}: row tiles {kv.meta}"
         for groups in (1, 3):
             got = TritonKernels(buffer_groups=groups).token_digests(bufs, slots, pos)
@@ -328,6 +342,9 @@ def _run_interpreted() -> None:
                                                     buffer_groups=3)))  # fmt: skip
     for m, p in _DECODE_CASES:
         jobs.append((f"decode-{m}-ps{p}", lambda m=m, p=p: _decode_compare(m, p)))
+    for s, m, p in _INDEX_CASES:
+        jobs.append((f"index-{s}-{m}-ps{p}",
+                     lambda s=s, m=m, p=p: _compare(s, m, p, index_layers=1)))  # fmt: skip
     jobs.append(("alloc-release", _alloc_release_compare))
     jobs.append(("out-of-range", _out_of_range_compare))
     jobs.append(("checksum", _checksum_compare))

@@ -199,6 +199,13 @@ _INTERP_SCRIPT = textwrap.dedent(
         assert got.dtype == torch.int64 and got.shape == (N,), name
         assert torch.equal(got, want), name
     assert token_digests(bufs, slots[:0], pos[:0]).shape == (0,)
+
+    from kvguard.kernels.kv_checksum_ref import page_major
+    raw = torch.randint(0, 256, (S // 10, 10 * 132), generator=g, dtype=torch.uint8)  # DSA-like
+    paged = [page_major(raw, offset=0, slot_bytes=128, row_bytes=128, per_page=10),
+             page_major(raw, offset=1280, slot_bytes=4, row_bytes=4, per_page=10)]
+    assert torch.equal(token_digests(bufs + paged, slots, pos),
+                       token_digests_ref(bufs + paged, slots, pos)), "page-major"
     print("INTERP_OK")
     """
 )
