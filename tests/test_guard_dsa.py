@@ -117,8 +117,8 @@ def test_index_key_faults_abort_their_reader(fault, mode, kernels):
 
 
 def test_faults_outside_the_read_set_abort_no_one():
-    """A flipped index key in a free page, and a write into the shared layer's (absent) keys,
-    are no request's: nobody is aborted, and a fresh request writes that page cleanly."""
+    """A flipped index key in a free page is no request's: nobody is aborted, and a fresh
+    request that takes the page writes its rows before anything reads them."""
     dsa, pool = _guarded("paranoid", "cpu")
     a, b = _two(pool)
     free = pool.free_pages[0]
