@@ -85,27 +85,29 @@ def around_configure(original, configurator, *args, **kwargs):
     return result
 
 
-MLA_POOL = "MLATokenToKVPool"  # exactly: subclasses (DSA, FP4) store more than the latent rows
+MLA_POOL = "MLATokenToKVPool"  # exactly: subclasses store more than the latent rows
+# DSA's pool packs its FP8 latent rows with per-block scales; dsa_cpu.py reads and writes them
+DSA_POOL = "DSATokenToKVPool"
 
 
 def _register_mla_pool(result):
     pool = result.token_to_kv_pool
     buffers = getattr(pool, "kv_buffer", None)
     if (
-        type(pool).__name__ != MLA_POOL
+        type(pool).__name__ not in (MLA_POOL, DSA_POOL)
         or getattr(pool, "dtype", None) != torch.float8_e4m3fn
         or not buffers
         or buffers[0].dtype != torch.uint8
     ):
         raise FP8KVConfigError(
-            f"FP8 KV cache on CPU serves MHA pools and the plain {MLA_POOL}; SGLang built "
-            f"{type(pool).__name__} (dtype {getattr(pool, 'dtype', None)}) for this model. "
-            "Serve it with --no-fp8-kv (or --kv-cache-dtype auto)."
+            f"FP8 KV cache on CPU serves MHA pools, the plain {MLA_POOL} and {DSA_POOL}; "
+            f"SGLang built {type(pool).__name__} (dtype {getattr(pool, 'dtype', None)}) "
+            "for this model. Serve it with --no-fp8-kv (or --kv-cache-dtype auto)."
         )
     _fp8_pools.add(pool)
     log.info(
         "kvguard_cpu_fp8_kv",
-        pool="mla",
+        pool="dsa" if type(pool).__name__ == DSA_POOL else "mla",
         layers=len(buffers),
         slots=buffers[0].shape[0],
         bytes_per_token=sum(b[0].numel() * b.element_size() for b in buffers),

@@ -12,6 +12,7 @@ from kvguard.config import GuardConfig
 from kvguard.logconfig import configure_from_env
 from kvguard.patches.targets import (
     CANARY_TARGETS,
+    DSA_TARGETS,
     GUARD_TARGETS,
     HTTP_TARGETS,
     MLA_TARGETS,
@@ -38,6 +39,7 @@ def load() -> None:
     rows += CANARY_TARGETS  # SGLang's --kv-canary on CPU; no-ops elsewhere
     rows += TP_TARGETS  # --tp N on CPU; no-op with CUDA
     rows += MLA_TARGETS  # MLA (DeepSeek-V3 / Kimi K2 architecture) on CPU torch_native
+    rows += DSA_TARGETS  # DSA (GLM-5) on CPU; after READ_TARGETS: its attention hook is outermost
     for target, hook_type, hook_path, _why in rows:
         module_name, fn_name = hook_path.rsplit(".", 1)
         module = importlib.import_module(f"kvguard.patches.{module_name}")

@@ -370,6 +370,52 @@ MLA_TARGETS = [
     ),
 ]
 
+# DSA models (GLM-5 GlmMoeDsaForCausalLM, DeepSeek V3.2: MLA + sparse-attention indexer) on CPU
+# with torch_native attention (dsa_cpu.py). Registered whatever the guard mode: serving features.
+# Each hook acts on a CPU device and a DSA model or pool only, and calls SGLang's code unchanged
+# otherwise. Registered after READ_TARGETS: the attention hook is the outermost.
+DSA_TARGETS = [
+    (
+        "sglang.srt.arg_groups.model_hook.handle_model_specific_adjustments",
+        "AROUND",
+        "dsa_cpu.around_model_specific_adjustments",
+        "DSA argument handling asks torch.cuda.get_device_capability() (no driver on CPU): "
+        "answered once, and the KV-dtype and DSA-backend passes swapped for CPU resolutions",
+    ),
+    (
+        "sglang.srt.layers.attention.dsa.dsa_indexer.Indexer.forward_native",
+        "AROUND",
+        "dsa_cpu.around_indexer_forward_native",
+        "the indexer has no torch path (raises): FP8 index keys into SGLang's page-major "
+        "buffer, top-k of the fused GLM path's logits",
+    ),
+    (
+        "sglang.srt.layers.attention.torch_native_backend.TorchNativeAttnBackend.forward_extend",
+        "AROUND",
+        "dsa_cpu.around_attention",
+        "forward_mla passes topk_indices, which torch_native does not take: sparse MLA over "
+        "the selected positions (DSA pools only)",
+    ),
+    (
+        "sglang.srt.layers.attention.torch_native_backend.TorchNativeAttnBackend.forward_decode",
+        "AROUND",
+        "dsa_cpu.around_attention",
+        "same, decode",
+    ),
+    (
+        "sglang.srt.mem_cache.memory_pool.DSATokenToKVPool.get_cpu_copy",
+        "AROUND",
+        "dsa_cpu.around_offload",
+        "retraction offload calls torch.cuda.synchronize(): a no-op for a CPU pool",
+    ),
+    (
+        "sglang.srt.mem_cache.memory_pool.DSATokenToKVPool.load_cpu_copy",
+        "AROUND",
+        "dsa_cpu.around_offload",
+        "same, on resume",
+    ),
+]
+
 # Every other SGLang name the patches use without hooking it: classes and functions they import
 # or call, private methods they call, attributes they read or write. A version bump that renames
 # one of these breaks a patch silently, or only at the first violation long after start, so
@@ -567,6 +613,41 @@ SGLANG_NAMES = [
     ("sglang.srt.model_loader.weight_utils.kv_cache_scales_loader", "callable", "cpu_fp8_kv", "SGLang's reader of that file"),
     ("sglang.srt.distributed.parallel_state.get_tensor_model_parallel_rank", "callable", "cpu_fp8_kv", "the file's rank entry"),
     ("sglang.srt.distributed.parallel_state.get_tensor_model_parallel_world_size", "callable", "cpu_fp8_kv", "and its rank count"),
+    # -- DSA models on CPU (dsa_cpu.py) --------------------------------------------------------
+    ("sglang.srt.arg_groups.model_hook._dsa_kv_cache_dtype_default", "module_attr", "dsa_cpu", "the KV-dtype pass, swapped for one call"),
+    ("sglang.srt.arg_groups.model_hook._dsa_split_backend_resolution", "module_attr", "dsa_cpu", "the DSA-backend pass, swapped for one call"),
+    ("sglang.srt.arg_groups.overrides.model_config_of", "callable", "dsa_cpu", "the model's HF config"),
+    ("sglang.srt.configs.model_config.is_deepseek_dsa", "callable", "dsa_cpu", "a DSA model"),
+    ("sglang.srt.server_args.ServerArgs.device", "attribute", "dsa_cpu", "a CPU engine"),
+    ("sglang.srt.server_args.ServerArgs.kv_cache_dtype", "attribute", "dsa_cpu", "read by the CPU KV-dtype pass"),
+    ("sglang.srt.server_args.ServerArgs.dsa_prefill_backend", "attribute", "dsa_cpu", "GPU kernel named: refused on CPU"),
+    ("sglang.srt.server_args.ServerArgs.dsa_decode_backend", "attribute", "dsa_cpu", "same"),
+    ("sglang.srt.model_executor.forward_context.get_token_to_kv_pool", "callable", "dsa_cpu", "the pool the indexer writes"),
+    ("sglang.srt.model_executor.forward_context.get_req_to_token_pool", "callable", "dsa_cpu", "the page table it reads through"),
+    ("sglang.srt.state_capturer.indexer_topk.maybe_capture_indexer_topk", "callable", "dsa_cpu", "SGLang's top-k capture, as the CUDA indexer"),
+    ("sglang.srt.layers.attention.dsa.dsa_indexer.Indexer.index_topk", "attribute", "dsa_cpu", "k"),
+    ("sglang.srt.layers.attention.dsa.dsa_indexer.Indexer.n_heads", "attribute", "dsa_cpu", "index heads"),
+    ("sglang.srt.layers.attention.dsa.dsa_indexer.Indexer.head_dim", "attribute", "dsa_cpu", "128"),
+    ("sglang.srt.layers.attention.dsa.dsa_indexer.Indexer.rope_head_dim", "attribute", "dsa_cpu", "rope part of q and k"),
+    ("sglang.srt.layers.attention.dsa.dsa_indexer.Indexer.softmax_scale", "attribute", "dsa_cpu", "head_dim^-1/2"),
+    ("sglang.srt.layers.attention.dsa.dsa_indexer.Indexer.wq_b", "attribute", "dsa_cpu", "index queries"),
+    ("sglang.srt.layers.attention.dsa.dsa_indexer.Indexer.wk", "attribute", "dsa_cpu", "index keys (unfused: no CUDA)"),
+    ("sglang.srt.layers.attention.dsa.dsa_indexer.Indexer.k_norm", "attribute", "dsa_cpu", "their LayerNorm"),
+    ("sglang.srt.layers.attention.dsa.dsa_indexer.Indexer.weights_proj", "attribute", "dsa_cpu", "head weights (bf16)"),
+    ("sglang.srt.layers.attention.dsa.dsa_indexer.Indexer.rotary_emb", "attribute", "dsa_cpu", "the indexer's rope"),
+    (f"{_POOLS}.DSATokenToKVPool.get_index_k_with_scale_buffer", "callable", "dsa_cpu", "a layer's index-key bytes"),
+    (f"{_POOLS}.DSATokenToKVPool.index_key_cache", "attribute", "dsa_cpu", "marks a DSA pool"),
+    (f"{_POOLS}.MLATokenToKVPool.dsa_kv_cache_store_fp8", "attribute", "dsa_cpu", "packed FP8 latent rows"),
+    (f"{_POOLS}.MLATokenToKVPool.kv_lora_rank", "attribute", "dsa_cpu", "R: the packed row's layout"),
+    (f"{_POOLS}.KVWriteLoc", "callable", "dsa_cpu", "the latent row's write location"),
+    ("sglang.srt.layers.attention.torch_native_backend.TorchNativeAttnBackend.req_to_token_pool", "attribute", "dsa_cpu", "the page table attention reads through"),
+    ("sglang.srt.layers.radix_attention.RadixAttention.tp_q_head_num", "attribute", "dsa_cpu", "heads of the query"),
+    ("sglang.srt.layers.radix_attention.RadixAttention.qk_head_dim", "attribute", "dsa_cpu", "R + rope"),
+    ("sglang.srt.layers.radix_attention.RadixAttention.v_head_dim", "attribute", "dsa_cpu", "R"),
+    ("sglang.srt.layers.radix_attention.RadixAttention.scaling", "attribute", "dsa_cpu", "softmax scale"),
+    (f"{_FB}.req_pool_indices", "attribute", "dsa_cpu", "each request's page-table row"),
+    (f"{_FB}.seq_lens_cpu", "attribute", "dsa_cpu", "keys per request"),
+    (f"{_FB}.extend_seq_lens_cpu", "attribute", "dsa_cpu", "query tokens per request"),
     # -- options the guard cannot check (engine_options.py; its table's fields and flags are
     # -- resolved against ServerArgs and SGLang's parser by tests/test_engine_options.py) -------
     ("sglang.srt.managers.scheduler.Scheduler.__init__.server_args", "parameter", "engine_options", "the options a scheduler starts with"),
