@@ -1,7 +1,7 @@
 """The training and evaluation corpus of kvguard's embedded models: the running interpreter's
 standard library source, listed in a fixed order, with every HELDOUT_EVERY-th file held out.
 
-Shared by the model builders (``kvguard.serve.default_model.build``, ``kvguard.serve.kimi_model``),
+Shared by the model builder (``kvguard.serve.tiny_builder``, every ``serve/*_model/build.py``),
 the quantizer's calibration and the quantization benchmark, so that they agree on what is held out.
 """
 

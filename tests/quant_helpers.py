@@ -26,10 +26,12 @@ PROMPTS = (
 
 def tiny_trained_model() -> Path:
     """kvguard's default-model recipe in its TINY spec (hidden 64, 2 layers, MLP 128), trained for
-    a few dozen steps; cached on disk, keyed by the build script's source."""
+    a few dozen steps; cached on disk, keyed by the build scripts' source."""
+    from kvguard.serve import tiny_builder
     from kvguard.serve.default_model import build as B
 
-    digest = hashlib.sha256(Path(B.__file__).read_bytes()).hexdigest()[:12]
+    sources = Path(B.__file__).read_bytes() + Path(tiny_builder.__file__).read_bytes()
+    digest = hashlib.sha256(sources).hexdigest()[:12]
     root = Path(tempfile.gettempdir()) / "kvguard-test-models"
     out = root / f"tiny-{digest}-s{TINY_STEPS}"
     if (out / "model.safetensors").is_file():

@@ -19,6 +19,8 @@ transformers = pytest.importorskip("transformers")
 safetensors_torch = pytest.importorskip("safetensors.torch")
 
 import kvguard.serve.default_model as dm  # noqa: E402
+from kvguard.serve import corpus  # noqa: E402
+from kvguard.serve import tiny_builder as T  # noqa: E402
 from kvguard.serve.default_model import build as B  # noqa: E402
 
 torch.set_num_threads(min(2, torch.get_num_threads()))
@@ -109,7 +111,7 @@ def test_tokenizer_specials_consistent(tok, ckpt):
     cfg = transformers.AutoConfig.from_pretrained(ckpt)
     gen = transformers.GenerationConfig.from_pretrained(ckpt)
     assert (tok.bos_token, tok.eos_token, tok.pad_token) == ("<s>", "</s>", "<pad>")
-    assert (tok.bos_token_id, tok.eos_token_id, tok.pad_token_id) == (B.BOS_ID, B.EOS_ID, B.PAD_ID)
+    assert (tok.bos_token_id, tok.eos_token_id, tok.pad_token_id) == (T.BOS_ID, T.EOS_ID, T.PAD_ID)
     assert cfg.bos_token_id == gen.bos_token_id == tok.bos_token_id
     assert cfg.eos_token_id == gen.eos_token_id == tok.eos_token_id
     assert gen.pad_token_id == tok.pad_token_id
@@ -146,15 +148,14 @@ def test_model_loads(ckpt, report):
 
 
 def test_heldout_perplexity_slice(tok, model_fp32, report):
-    files = B.list_corpus_files()
-    _, held = B.split_files(files)
+    _, held = corpus.split_files(corpus.list_corpus_files())
     L, windows = B.FULL.seq_len, 8
     ids: list[int] = []
     for f in held:
-        ids += B.encode_stream(tok.backend_tokenizer, [B.read_text(f)])
+        ids += T.encode_stream(tok.backend_tokenizer, [corpus.read_text(f)])
         if len(ids) > windows * L + 1:
             break
-    ppl, n = B.heldout_perplexity(model_fp32, ids, L, windows)
+    ppl, n = T.heldout_perplexity(model_fp32, ids, L, windows)
     assert n == windows * L
     # Bound: 2x the held-out perplexity recorded by the build (131 over 16384
     # tokens; this 2048-token slice measured 159.6); random init is ~4096.

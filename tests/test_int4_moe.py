@@ -31,10 +31,12 @@ from kvguard.quant import quantize as Q  # noqa: E402
 
 
 def tiny_kimi() -> Path:
-    """The Kimi builder's TINY spec, 3 steps; cached on disk, keyed by the builder's source."""
+    """The Kimi builder's TINY spec, 3 steps; cached on disk, keyed by the builders' source."""
+    from kvguard.serve import tiny_builder
     from kvguard.serve.kimi_model import build as B
 
-    digest = hashlib.sha256(Path(B.__file__).read_bytes()).hexdigest()[:12]
+    sources = Path(B.__file__).read_bytes() + Path(tiny_builder.__file__).read_bytes()
+    digest = hashlib.sha256(sources).hexdigest()[:12]
     root = Path(tempfile.gettempdir()) / "kvguard-test-models"
     out = root / f"tiny-kimi-{digest}"
     if (out / "model.safetensors").is_file():

@@ -16,8 +16,9 @@ transformers = pytest.importorskip("transformers")
 safetensors_torch = pytest.importorskip("safetensors.torch")
 
 import kvguard.serve.kimi_model as km  # noqa: E402
+from kvguard.serve import corpus  # noqa: E402
+from kvguard.serve import tiny_builder as T  # noqa: E402
 from kvguard.serve.default_model import DEFAULT_MODEL_DIR  # noqa: E402
-from kvguard.serve.default_model import build as base  # noqa: E402
 from kvguard.serve.kimi_model import build as B  # noqa: E402
 
 torch.set_num_threads(min(2, torch.get_num_threads()))
@@ -123,14 +124,14 @@ def test_tokenizer_is_the_default_models(ckpt):
 
 def test_heldout_perplexity_slice(ckpt, model_fp32, report):
     tok = transformers.AutoTokenizer.from_pretrained(ckpt)
-    _, held = base.split_files(base.list_corpus_files())
+    _, held = corpus.split_files(corpus.list_corpus_files())
     L, windows = B.FULL.seq_len, 8
     ids: list[int] = []
     for f in held:
-        ids += base.encode_stream(tok.backend_tokenizer, [base.read_text(f)])
+        ids += T.encode_stream(tok.backend_tokenizer, [corpus.read_text(f)])
         if len(ids) > windows * L + 1:
             break
-    ppl, n = base.heldout_perplexity(model_fp32, ids, L, windows)
+    ppl, n = T.heldout_perplexity(model_fp32, ids, L, windows)
     assert n == windows * L and math.isfinite(ppl)
     # trained: far below the vocabulary size (4096, an untrained model), near the build's figure
     assert ppl < 2.0 * report["heldout_perplexity"] < 1000, (ppl, report["heldout_perplexity"])
