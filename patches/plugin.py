@@ -16,6 +16,7 @@ from kvguard.patches.targets import (
     GUARD_TARGETS,
     HTTP_TARGETS,
     MLA_TARGETS,
+    PD_CPU_TARGETS,
     QUANT_TARGETS,
     READ_TARGETS,
     TP_TARGETS,
@@ -39,6 +40,7 @@ def load() -> None:
     rows += CANARY_TARGETS  # SGLang's --kv-canary on CPU; no-ops elsewhere
     rows += TP_TARGETS  # --tp N on CPU; no-op with CUDA
     rows += MLA_TARGETS  # MLA (DeepSeek-V3 / Kimi K2 architecture) on CPU torch_native
+    rows += PD_CPU_TARGETS  # prefill/decode disaggregation on CPU; no-ops elsewhere
     rows += DSA_TARGETS  # DSA (GLM-5) on CPU; after READ_TARGETS: its attention hook is outermost
     for target, hook_type, hook_path, _why in rows:
         module_name, fn_name = hook_path.rsplit(".", 1)

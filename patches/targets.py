@@ -335,6 +335,34 @@ TP_TARGETS = [
     ),
 ]
 
+# Prefill/decode disaggregation (--disaggregation-mode prefill|decode, mooncake transfer backend)
+# on CPU (pd_cpu.py). Registered whatever the guard mode: a serving feature (the guard itself
+# refuses PD: engine_options.py). Each hook acts on SGLang's CPU route only; the targets run only
+# on a prefill or decode server.
+PD_CPU_TARGETS = [
+    (
+        "sglang.srt.distributed.device_communicators.mooncake_transfer_engine.MooncakeTransferEngine.__init__",
+        "BEFORE",
+        "pd_cpu.before_transfer_engine",
+        "the wheel links libcudart/libcuda/libibverbs/libmlx5: kvguard's no-device builds of the "
+        "missing ones (patches/csrc/nodevice_*.c), and mooncake's TCP transport",
+    ),
+    (
+        "sglang.srt.disaggregation.prefill.SchedulerDisaggregationPrefillMixin.send_kv_chunk",
+        "AROUND",
+        "pd_cpu.around_send_kv_chunk",
+        "mooncake's sender stages page indices in pinned memory behind a CUDA event: plain host "
+        "indices on CPU (SGLang's other branch)",
+    ),
+    (
+        "sglang.srt.disaggregation.prefill.SchedulerDisaggregationPrefillMixin.maybe_send_cached_prefix_chunk",
+        "AROUND",
+        "pd_cpu.around_early_send",
+        "the early send of a cached prefix records a CUDA event on the forward stream (overlap): "
+        "on CPU the prior forward has completed, nothing to wait for",
+    ),
+]
+
 # MLA models (DeepSeek-V2/V3 architecture: Kimi K2, ...) on CPU with torch_native attention.
 # Registered whatever the guard mode: serving features. Each hook changes only the torch_native
 # backend / the CPU rope factory, and calls SGLang's code unchanged otherwise.

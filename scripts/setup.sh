@@ -17,8 +17,9 @@ STAMP="$VENV/.kvguard-setup-stamp"
 say() { printf 'setup: %s\n' "$*"; }
 die() { printf 'setup: error: %s\n' "$*" >&2; exit 1; }
 
-inputs_hash() {  # the compiled kernels' sources too: a changed .c file is rebuilt
-  cat requirements/*.txt pyproject.toml scripts/setup.sh kernels/csrc/*.c | sha256sum | cut -d' ' -f1
+inputs_hash() {  # the compiled kernels' and no-device libraries' sources too: a changed one is rebuilt
+  cat requirements/*.txt pyproject.toml scripts/setup.sh kernels/csrc/*.c patches/csrc/* \
+    | sha256sum | cut -d' ' -f1
 }
 
 venv_works() {  # interpreter runs, kvguard and its compiled kernels import, the .pth hook is active
@@ -91,11 +92,12 @@ LOCK=(-c requirements/lock.txt)
 
 say "build backend (requirements/build.txt)"
 pip_install -r requirements/build.txt "${LOCK[@]}"
-say "torch, SGLang's CPU-path dependencies, test tools (requirements/{torch,sglang-cpu,test}.txt)"
-pip_install -r requirements/torch.txt -r requirements/sglang-cpu.txt -r requirements/test.txt "${LOCK[@]}"
+say "torch, SGLang's CPU-path dependencies, PD transfer and router, test tools (requirements/{torch,sglang-cpu,pd,test}.txt)"
+pip_install -r requirements/torch.txt -r requirements/sglang-cpu.txt -r requirements/pd.txt \
+  -r requirements/test.txt "${LOCK[@]}"
 say "SGLang itself, without its CUDA-only dependency set (requirements/sglang.txt, --no-deps)"
 pip_install --no-deps -r requirements/sglang.txt
-say "kvguard, editable (builds the compiled CPU kernels, kernels/csrc/*.c, with the system C compiler)"
+say "kvguard, editable (builds the compiled CPU kernels, kernels/csrc/*.c, and the PD path's no-device libraries, patches/csrc/*.c, with the system C compiler)"
 pip_install --no-deps --no-build-isolation -e .
 
 # SGLang's scheduler imports sgl_kernel before any plugin loads; PyPI has no CPU build of it.

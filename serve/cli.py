@@ -196,6 +196,12 @@ def prepare(argv: list[str]):
         extra += _unset(given, "skip_server_warmup", ["--skip-server-warmup"])
         if not {"max_total_tokens", "mem_fraction_static"} & given.keys():
             extra += ["--max-total-tokens", str(CPU_MAX_TOTAL_TOKENS)]
+        if given.get("disaggregation_mode") == "decode":  # SGLang's inferred host_pool needs CUDA
+            extra += _unset(
+                given,
+                "disaggregation_decode_retraction_backup",
+                ["--disaggregation-decode-retraction-backup", "cpu_tensor"],
+            )
         ranks = 1
         for dest in ("tp_size", "pp_size", "dp_size"):
             ranks *= int(given.get(dest, defaults[dest]) or 1)

@@ -1,0 +1,117 @@
+"""A prefill/decode pair on one machine: SGLang's router (``sglang-router``, ``--pd-disaggregation``)
+in front of a ``kvguard-serve --disaggregation-mode prefill`` and a ``--disaggregation-mode
+decode`` server (docs/pd.md). The servers are :class:`kvguard.serve.child.ServeProcess`; this
+module adds their PD arguments and the router process.
+
+The guard does not check a PD deployment yet (``kvguard.patches.engine_options`` refuses
+``--disaggregation-mode``): :func:`pd_server_args` starts each server with ``--kvguard-mode off``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import subprocess
+import sys
+import time
+from pathlib import Path
+from types import TracebackType
+
+import psutil
+import requests
+
+from kvguard.serve.child import ServerDied, clean_env, free_port
+
+ROUTER_START_TIMEOUT_S = 180
+
+
+def pd_server_args(mode: str, bootstrap_port: int | None = None) -> list[str]:
+    """``kvguard-serve`` arguments of a prefill (``bootstrap_port``: where decode servers fetch
+    its KV from) or a decode server, guard off. The transfer backend is SGLang's default,
+    mooncake."""
+    args = ["--kvguard-mode", "off", "--disaggregation-mode", mode]
+    if mode == "prefill":
+        assert bootstrap_port is not None, "a prefill server needs its bootstrap port"
+        args += ["--disaggregation-bootstrap-port", str(bootstrap_port)]
+    return args
+
+
+class RouterProcess:
+    """``python -m sglang_router.launch_router --pd-disaggregation`` on 127.0.0.1 and a free port,
+    for one prefill (``prefill_url``, its ``bootstrap_port``) and one decode server."""
+
+    def __init__(self, prefill_url: str, bootstrap_port: int, decode_url: str, log: Path):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log = Path(log)
+        self.args = [
+            sys.executable,
+            "-m",
+            "sglang_router.launch_router",
+            "--pd-disaggregation",
+            "--prefill",
+            prefill_url,
+            str(bootstrap_port),
+            "--decode",
+            decode_url,
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            "--prometheus-host",
+            "127.0.0.1",
+            "--prometheus-port",
+            str(free_port()),
+        ]
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self, timeout_s: float = ROUTER_START_TIMEOUT_S) -> None:
+        """Start and wait until the router reports both workers healthy (``/readiness``)."""
+        self.log.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.log, "ab") as out:
+            self.proc = subprocess.Popen(
+                self.args, stdout=out, stderr=subprocess.STDOUT, env=clean_env()
+            )
+        deadline = time.monotonic() + timeout_s
+        while not self.ready():
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.stop()
+                raise ServerDied(f"sglang-router did not become ready:\n{self.log_tail()}")
+            time.sleep(1)
+
+    def ready(self) -> bool:
+        try:
+            r = requests.get(f"{self.url}/readiness", timeout=5)
+        except requests.RequestException:
+            return False
+        return r.status_code == 200 and r.json().get("healthy_workers") == 2
+
+    def stop(self, timeout_s: float = 30) -> None:
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        children = []
+        with contextlib.suppress(psutil.NoSuchProcess):
+            children = psutil.Process(self.proc.pid).children(recursive=True)
+        self.proc.terminate()
+        try:
+            self.proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(10)
+        for p in children:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                p.kill()
+
+    def log_tail(self, n: int = 4000) -> str:
+        return self.log.read_text(errors="replace")[-n:] if self.log.exists() else ""
+
+    def __enter__(self) -> RouterProcess:
+        self.start()
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.stop()
