@@ -1,0 +1,43 @@
+"""kvguard's tiny GLM-5-architecture model (GlmMoeDsa: MLA + DeepSeek Sparse Attention + MoE).
+
+A ~2M-parameter ``GlmMoeDsaForCausalLM`` with the default model's tokenizer, built by
+``python -m kvguard.serve.glm_model.build`` on the Python standard library source into
+``checkpoint/``: the DSA model kvguard is to be served and tested with, offline. The checkpoint is
+not committed yet; :func:`ensure_glm_model` says how to build it. See ``README.md``.
+
+This module imports nothing heavy (no torch / transformers).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from kvguard.serve.default_model import REQUIRED_FILES
+
+GLM_MODEL_DIR = Path(__file__).parent / "checkpoint"
+
+
+class GlmModelMissingError(FileNotFoundError):
+    """The embedded GLM-architecture checkpoint is missing or incomplete."""
+
+
+def ensure_glm_model() -> Path:
+    """The directory of the embedded GLM-architecture checkpoint; raises
+    :class:`GlmModelMissingError` (a ``FileNotFoundError``) naming the missing files."""
+    d = GLM_MODEL_DIR
+    missing = [name for name in REQUIRED_FILES if not (d / name).is_file()]
+    if missing:
+        raise GlmModelMissingError(
+            f"kvguard GLM-architecture checkpoint at {d} is missing {', '.join(missing)}; "
+            f"build it with `python -m kvguard.serve.glm_model.build --out {d}`"
+        )
+    return d
+
+
+def build_report() -> dict:
+    """The ``build_report.json`` written next to the checkpoint."""
+    return json.loads((ensure_glm_model() / "build_report.json").read_text())
+
+
+__all__ = ["GLM_MODEL_DIR", "GlmModelMissingError", "build_report", "ensure_glm_model"]
