@@ -86,3 +86,30 @@ def decode_index_page_bytes(
     codes = torch.stack([buf[p, o * 128 : (o + 1) * 128] for p, o in zip(page, off)])
     raw = torch.stack([buf[p, 8192 + 4 * o : 8192 + 4 * o + 4] for p, o in zip(page, off)])
     return codes, raw.contiguous().view(torch.float32).view(-1)
+
+
+def _fp8_latent_expand_kv(real):
+    def expand_kv(self, k_pass, k_rot):
+        """SGLang's FP8 DSA row, read back: the latent per 128-value block as e4m3 with scale
+        amax / 448, the rope part as bf16."""
+        shape = k_pass.shape
+        blocks = k_pass.float().reshape(-1, 128)
+        s = blocks.abs().amax(-1, keepdim=True) / FP8_MAX
+        q = (blocks * (1.0 / s)).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).float()
+        k_pass = (q * s).reshape(shape).to(k_pass.dtype)
+        return real(self, k_pass, k_rot.to(torch.bfloat16).to(k_rot.dtype))
+
+    return expand_kv
+
+
+@contextlib.contextmanager
+def fp8_latent() -> Iterator[None]:
+    """transformers' GLM-5 attention reads its latent KV as SGLang's FP8 DSA pool stores it."""
+    from transformers.models.glm_moe_dsa import modeling_glm_moe_dsa as m
+
+    real = m.GlmMoeDsaAttention.expand_kv
+    m.GlmMoeDsaAttention.expand_kv = _fp8_latent_expand_kv(real)
+    try:
+        yield
+    finally:
+        m.GlmMoeDsaAttention.expand_kv = real

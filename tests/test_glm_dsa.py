@@ -10,10 +10,10 @@ served on CPU through patches/dsa_cpu.py, with a tiny random-init checkpoint
   through the prefix cache.
 * The index-key bytes dsa_cpu.py writes decode, by the note's layout, to the FP8 keys computed
   from transformers' indexer weights.
-* FP8 KV (--kv-cache-dtype fp8_e4m3, packed DSA rows) serves and stays close to float32 KV.
+* FP8 KV (--kv-cache-dtype fp8_e4m3, packed DSA rows) equals transformers reading the latent
+  as those rows hold it (glm_dsa_reference.fp8_latent); its distance to float32 KV is reported.
 
-Engines run with the guard off (KVGUARD_MODE=off): kvguard's adapter does not take the DSA pool
-yet.
+Engines run with the guard in paranoid mode, a violation aborting the request.
 """
 
 from __future__ import annotations
@@ -26,14 +26,28 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("sglang")
 transformers = pytest.importorskip("transformers")
 
-from glm_dsa_reference import decode_index_page_bytes, fp8_indexer  # noqa: E402
-from quant_helpers import agreement, sglang_engine, sglang_greedy  # noqa: E402
+from cpu_engine import cpu_engine  # noqa: E402
+from glm_dsa_reference import decode_index_page_bytes, fp8_indexer, fp8_latent  # noqa: E402
+from quant_helpers import agreement, sglang_greedy  # noqa: E402
 from tiny_model import GLM_INDEX_TOPK, GLM_PAGE_SIZE, tiny_random_glm_dsa  # noqa: E402
 
 N_SHORT = 6  # new tokens after a short prompt: the whole sequence stays within index_topk
 N_LONG = 12
 SHORT_LENS = (4, GLM_INDEX_TOPK - N_SHORT)
 LONG_LENS = (40, 100)  # past index_topk; 100 spans two 64-token pages
+# The guard checks every step; a violation aborts the request (its finish reason is not "length")
+GUARD = {"KVGUARD_MODE": "paranoid", "KVGUARD_ON_VIOLATION": "abort"}
+
+
+def dsa_engine(model, kv_cache_dtype: str):
+    return cpu_engine(
+        model,
+        GUARD,
+        page_size=GLM_PAGE_SIZE,
+        dtype="float32",
+        kv_cache_dtype=kv_cache_dtype,
+        max_total_tokens=2048,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -90,9 +104,7 @@ def served_fp32(model, prompts):
     flush, then once more through the prefix cache; the log-probabilities of its own long
     continuations."""
     short, long = prompts
-    with sglang_engine(
-        model, page_size=GLM_PAGE_SIZE, dtype="float32", kv_cache_dtype="auto"
-    ) as engine:
+    with dsa_engine(model, "auto") as engine:
         out = {
             "short": sglang_greedy(engine, short, N_SHORT),
             "long": sglang_greedy(engine, long, N_LONG),
@@ -137,26 +149,32 @@ def test_deterministic_and_through_the_prefix_cache(served_fp32):
 
 
 @pytest.mark.engine
-def test_fp8_kv_serves_close_to_fp32(model, prompts, served_fp32):
+def test_fp8_kv_equals_transformers_reading_fp8_rows(model, hf_fp32, prompts, served_fp32):
+    """FP8 KV (packed DSA rows): equal to transformers whose attention reads the latent as the
+    FP8 rows hold it and whose indexer computes SGLang's FP8 logits; how close to float32 KV is
+    reported."""
     short, long = prompts
-    with sglang_engine(
-        model, page_size=GLM_PAGE_SIZE, dtype="float32", kv_cache_dtype="fp8_e4m3"
-    ) as engine:
+    with dsa_engine(model, "fp8_e4m3") as engine:
         got_short = _ids(sglang_greedy(engine, short, N_SHORT))
         got_long = _ids(sglang_greedy(engine, long, N_LONG))
         again = _ids(sglang_greedy(engine, long, N_LONG))  # FP8 rows re-read from the cache
         forced = forced_logprobs(engine, long, _ids(served_fp32["long"]))
     assert again == got_long
+    with fp8_indexer(), fp8_latent():
+        assert got_short == hf_greedy(hf_fp32, short, N_SHORT)
+        ref_long = hf_greedy(hf_fp32, long, N_LONG)
+    # past index_topk a float rounding difference (absorbed vs expanded MLA) can move a value
+    # across an FP8 code boundary and the random model's greedy path with it: measured 19/24
+    same_long = agreement(got_long, ref_long)
+    assert [g[0] for g in got_long] == [r[0] for r in ref_long] and same_long >= 0.75
     gap = max((a - b).abs().max().item() for a, b in zip(forced, served_fp32["forced"]))
     near_short = agreement(got_short, _ids(served_fp32["short"]))
     near_long = agreement(got_long, _ids(served_fp32["long"]))
     print(
-        f"FP8 KV vs float32 KV: greedy agreement short {near_short:.3f}, long {near_long:.3f}; "
-        f"largest log-probability gap on float32's continuation {gap:.4f}"
+        f"FP8 KV vs its transformers reference: long {same_long:.3f}; vs float32 KV: greedy "
+        f"agreement short {near_short:.3f}, long {near_long:.3f}, largest log-probability gap "
+        f"on float32's continuation {gap:.4f}"
     )
-    # measured: short 0.667, long 0.125 (a random model diverges at its first differing token),
-    # gap 1.02
-    assert gap < 2.0 and near_short >= 0.5
 
 
 # -- the index-key bytes (no engine) ------------------------------------------------------------
