@@ -191,7 +191,6 @@ class _Linear:
 
 def test_index_key_bytes_decode_to_the_reference(model):
     from sglang.srt.layers.rotary_embedding.factory import get_rope
-    from sglang.srt.mem_cache.index_key_cache import IndexKeyCache
     from transformers.models.glm_moe_dsa.modeling_glm_moe_dsa import (
         apply_rotary_pos_emb_interleave,
     )
@@ -219,11 +218,7 @@ def test_index_key_bytes_decode_to_the_reference(model):
     n = 70
     x, q_lora = torch.randn(n, cfg.hidden_size), torch.randn(n, cfg.q_lora_rank)
     positions = torch.arange(n)
-    pool = types.SimpleNamespace(
-        page_size=64, index_kpool=1, index_head_dim=128, quant_block_size=128
-    )
-    shape = IndexKeyCache._buffer_shape(types.SimpleNamespace(pool=pool), 5)  # SGLang's layout
-    buf = torch.zeros(shape, dtype=torch.uint8)
+    buf = _dsa_pool(torch.float32).get_index_k_with_scale_buffer(layer_id=0)  # SGLang's own
     loc = torch.arange(n) + 2 * 64 + 10  # from the middle of page 2 into page 3
     with torch.no_grad():
         key, _query, _w = dsa_cpu.indexer_qkw(indexer, x, q_lora, positions)
@@ -272,3 +267,85 @@ def test_fp8_latent_rows_pack_as_sglang_lays_them_out():
     rows = dsa_cpu.unpack_fp8_rows(packed, r)
     torch.testing.assert_close(rows[:, :r], nope, rtol=0.07, atol=0)
     assert torch.equal(rows[:, r:], k_rope.to(torch.bfloat16).float())
+
+
+# -- the pool parts (a real DSATokenToKVPool on CPU, no engine) ----------------------------------
+def _dsa_pool(dtype, pages: int = 5):
+    from sglang.srt.mem_cache.memory_pool import DSATokenToKVPool
+
+    r, rope = 128, 64
+    return DSATokenToKVPool(
+        size=(pages - 1) * 64, page_size=64, kv_lora_rank=r, dtype=dtype, qk_rope_head_dim=rope,
+        layer_num=2, device="cpu", index_head_dim=128, enable_memory_saver=False,
+        kv_cache_dim=r + rope if dtype != torch.float8_e4m3fn else r + r // 128 * 4 + rope * 2,
+        index_buf_size=(pages - 1) * 64,
+    )  # fmt: skip
+
+
+def test_fp8_latent_rows_round_trip_through_a_dsa_pool():
+    from kvguard.patches import dsa_cpu
+
+    pool = _dsa_pool(torch.float8_e4m3fn)
+    assert pool.dsa_kv_cache_store_fp8 and pool.kv_buffer[0].shape[-1] == 260
+    layer = types.SimpleNamespace(layer_id=1)
+    torch.manual_seed(3)
+    k = torch.randn(10, 1, 192)
+    loc = torch.arange(10) * 7 + 64
+    dsa_cpu.write_latent(pool, layer, loc, k)
+    assert torch.equal(
+        pool.kv_buffer[1][loc, 0], dsa_cpu.pack_fp8_rows(k[:, 0, :128], k[:, 0, 128:])
+    )
+    assert not pool.kv_buffer[0].any()  # the other layer untouched
+    rows = dsa_cpu.read_latent(pool, layer, loc)
+    torch.testing.assert_close(rows[:, :128], k[:, 0, :128], rtol=0.07, atol=0)
+    assert torch.equal(rows[:, 128:], k[:, 0, 128:].to(torch.bfloat16).float())
+
+
+def test_retraction_offload_of_a_cpu_dsa_pool():
+    """SGLang's offload of a retracted request calls torch.cuda.synchronize(), which raises
+    without a driver; through dsa_cpu.around_offload it copies the latent rows and the index
+    pages out and back."""
+    from sglang.srt.mem_cache.memory_pool import DSATokenToKVPool
+    from sglang.srt.runtime_context import get_parallel
+
+    from kvguard.patches import dsa_cpu
+
+    pool = _dsa_pool(torch.float8_e4m3fn)
+    torch.manual_seed(4)
+    for buf in pool.kv_buffer + pool.index_k_with_scale_buffer:
+        buf.copy_(torch.randint(0, 256, buf.shape, dtype=torch.uint8))
+    before = [b.clone() for b in pool.kv_buffer + pool.index_k_with_scale_buffer]
+    slots = torch.arange(64, 192)  # pages 1 and 2
+    get_copy, load_copy = DSATokenToKVPool.get_cpu_copy, DSATokenToKVPool.load_cpu_copy
+    get_copy = getattr(get_copy, "__wrapped__", get_copy)  # SGLang's, hooked or not
+    load_copy = getattr(load_copy, "__wrapped__", load_copy)
+    with get_parallel().override(attn_dcp_size=1, attn_dcp_rank=0):
+        if not torch.cuda.is_available():
+            with pytest.raises(RuntimeError):
+                get_copy(pool, slots)
+        saved = dsa_cpu.around_offload(get_copy, pool, slots)
+        for buf in pool.kv_buffer:
+            buf[slots] = 0
+        for buf in pool.index_k_with_scale_buffer:
+            buf[1:3] = 0
+        dsa_cpu.around_offload(load_copy, pool, saved, slots)
+    for was, now in zip(before, pool.kv_buffer + pool.index_k_with_scale_buffer):
+        assert torch.equal(was, now)
+
+
+def test_cpu_argument_passes():
+    from kvguard.patches import dsa_cpu
+
+    def view(kv, prefill=None, decode=None):
+        return types.SimpleNamespace(
+            kv_cache_dtype=kv, dsa_prefill_backend=prefill, dsa_decode_backend=decode
+        )
+
+    assert dsa_cpu.cpu_dsa_kv_cache_dtype(view("auto")) == {}  # the model's dtype
+    assert dsa_cpu.cpu_dsa_kv_cache_dtype(view("fp8_e4m3")) == {}
+    assert dsa_cpu.cpu_dsa_kv_cache_dtype(view("bf16")) == {"kv_cache_dtype": "bfloat16"}
+    with pytest.raises(dsa_cpu.DSAConfigError, match="fp8_e5m2"):
+        dsa_cpu.cpu_dsa_kv_cache_dtype(view("fp8_e5m2"))
+    assert dsa_cpu.cpu_dsa_backends(view("auto")) == {}
+    with pytest.raises(dsa_cpu.DSAConfigError, match="--dsa-decode-backend"):
+        dsa_cpu.cpu_dsa_backends(view("auto", decode="flashmla_kv"))
