@@ -228,6 +228,8 @@ def select_topk(query, weights, k8, s_k, positions, index_topk: int) -> torch.Te
 def _requests(forward_batch):
     """(page-table row, first token in the batch, tokens, sequence length) per request."""
     rows = forward_batch.req_pool_indices.tolist()
+    if not rows:  # an idle batch
+        return
     seq_lens = forward_batch.seq_lens_cpu.tolist()
     if forward_batch.forward_mode.is_decode():
         counts = [1] * len(rows)
