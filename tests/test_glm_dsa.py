@@ -349,3 +349,27 @@ def test_cpu_argument_passes():
     assert dsa_cpu.cpu_dsa_backends(view("auto")) == {}
     with pytest.raises(dsa_cpu.DSAConfigError, match="--dsa-decode-backend"):
         dsa_cpu.cpu_dsa_backends(view("auto", decode="flashmla_kv"))
+
+
+def test_topk_selection_is_causal_and_padded():
+    """A token with at most index_topk causal positions selects exactly those (then -1); a later
+    token selects the top index_topk of the FP8 logits (glm_dsa_reference's arithmetic)."""
+    from glm_dsa_reference import fp8_rows
+
+    from kvguard.patches import dsa_cpu
+
+    torch.manual_seed(5)
+    n_keys, heads, topk = 40, 4, 16
+    query, weights = torch.randn(n_keys, heads, 128), torch.randn(n_keys, heads)
+    k8, s_k = fp8_rows(torch.randn(n_keys, 128).to(torch.bfloat16).float())
+    positions = torch.arange(n_keys)
+    got = dsa_cpu.select_topk(query, weights, k8, s_k[:, 0], positions, topk)
+    assert got.shape == (n_keys, topk) and got.dtype == torch.int32
+    for t in range(topk):
+        assert got[t].tolist() == list(range(t + 1)) + [-1] * (topk - t - 1)
+    q8, s_q = fp8_rows(query)
+    logits = torch.einsum("thd,jd->thj", q8, k8).relu()
+    logits = torch.einsum("th,thj->tj", weights * s_q[..., 0], logits) * s_k[None, :, 0]
+    for t in range(topk, n_keys):
+        want = logits[t, : t + 1].topk(topk).indices
+        assert sorted(got[t].tolist()) == sorted(want.tolist())
