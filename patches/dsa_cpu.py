@@ -129,6 +129,11 @@ def around_indexer_forward_native(
     from sglang.srt.state_capturer.indexer_topk import maybe_capture_indexer_topk
 
     pool = get_token_to_kv_pool()
+    if pool.index_kpool != 1 or pool.index_page_size != INDEX_PAGE:
+        raise DSAConfigError(  # pooled/compressed index pages: another layout
+            f"DSA on CPU stores one index key per token in 64-token pages; this pool groups "
+            f"{pool.index_kpool} tokens per key in {pool.index_page_size}-key pages"
+        )
     key, query, weights = indexer_qkw(indexer, x, q_lora, positions)
     buf = pool.get_index_k_with_scale_buffer(layer_id=layer_id)
     store_index_keys(buf, forward_batch.out_cache_loc, key)

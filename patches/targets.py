@@ -665,6 +665,8 @@ SGLANG_NAMES = [
     ("sglang.srt.layers.attention.dsa.dsa_indexer.Indexer.rotary_emb", "attribute", "dsa_cpu", "the indexer's rope"),
     (f"{_POOLS}.DSATokenToKVPool.get_index_k_with_scale_buffer", "callable", "dsa_cpu", "a layer's index-key bytes"),
     (f"{_POOLS}.DSATokenToKVPool.index_key_cache", "attribute", "dsa_cpu", "marks a DSA pool"),
+    (f"{_POOLS}.DSATokenToKVPool.index_kpool", "attribute", "dsa_cpu", "tokens per index key: 1 only"),
+    (f"{_POOLS}.DSATokenToKVPool.index_page_size", "attribute", "dsa_cpu", "keys per index page: 64 only"),
     (f"{_POOLS}.MLATokenToKVPool.dsa_kv_cache_store_fp8", "attribute", "dsa_cpu", "packed FP8 latent rows"),
     (f"{_POOLS}.MLATokenToKVPool.kv_lora_rank", "attribute", "dsa_cpu", "R: the packed row's layout"),
     (f"{_POOLS}.KVWriteLoc", "callable", "dsa_cpu", "the latent row's write location"),
