@@ -37,7 +37,7 @@ PROG = "kvguard-serve"
 # per layer) that is tens of millions of slots, and the two together can exceed the machine.
 # Unless the user sizes the pool (--max-total-tokens, --mem-fraction-static), it holds this many.
 CPU_MAX_TOTAL_TOKENS = 262144
-EMBEDDED_MODELS = ("default", "kimi")
+EMBEDDED_MODELS = ("default", "kimi", "glm")
 # SGLang's CPU engine binds each rank's OpenMP threads to one '|'-separated group of cores; unset,
 # it wants one NUMA node per rank and asserts there are enough.
 THREADS_BIND = "SGLANG_CPU_OMP_THREADS_BIND"
@@ -102,8 +102,10 @@ def kvguard_parser() -> argparse.ArgumentParser:
     g.add_argument(
         "--embedded-model",
         choices=EMBEDDED_MODELS,
-        help="without --model-path, which embedded model to serve: default (a tiny Llama) or "
-        "kimi (a tiny Kimi K2 architecture model: MLA attention, MoE; DeepseekV3ForCausalLM)",
+        help="without --model-path, which embedded model to serve: default (a tiny Llama), "
+        "kimi (a tiny Kimi K2 architecture model: MLA attention, MoE; DeepseekV3ForCausalLM) or "
+        "glm (a tiny GLM-5 architecture model: MLA + DSA sparse attention, MoE; "
+        "GlmMoeDsaForCausalLM)",
     )
     g.add_argument(
         "--no-fp8-kv",
@@ -369,6 +371,8 @@ def _embedded_model(name: str) -> Path:
     try:
         if name == "kimi":
             from kvguard.serve.kimi_model import ensure_kimi_model as ensure
+        elif name == "glm":
+            from kvguard.serve.glm_model import ensure_glm_model as ensure
         else:
             from kvguard.serve.default_model import ensure_default_model as ensure
     except ImportError:
