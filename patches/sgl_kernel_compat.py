@@ -111,7 +111,8 @@ def _unsupported(name: str, feature: str):
     return op
 
 
-# EAGLE tree building and verification: only speculative decoding with topk > 1 reaches these.
+# EAGLE tree building and verification: every EAGLE / NEXTN draft and verify step on CPU reaches
+# these, topk 1 included (docs/glm.md, MTP on CPU).
 build_tree_kernel_efficient_cpu = _unsupported(
     "build_tree_kernel_efficient_cpu", "EAGLE tree speculative decoding"
 )
