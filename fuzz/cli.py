@@ -28,7 +28,7 @@ from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
 from kvguard.fuzz.campaign import MODES, ON_VIOLATION, Runner, Settings
-from kvguard.fuzz.injectors import INJECTORS
+from kvguard.fuzz.injectors import INJECTORS, POOL_CLASSES
 from kvguard.fuzz.oracle import TIE_MARGIN, UNGUARDED, compare
 from kvguard.fuzz.report import write_all
 from kvguard.fuzz.workload import TENANT_CLASSES, build_workload, schedule_injections
@@ -47,7 +47,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--classes",
         action="append",
-        help="bug classes to inject, comma list (default: all): " + ", ".join(INJECTORS),
+        help="bug classes to inject, comma list (default: all the model's pool can take; "
+        + ", ".join(POOL_CLASSES)
+        + " on DSA models only): "
+        + ", ".join(INJECTORS),
     )
     p.add_argument("--requests", type=int, default=200, help="requests per pass per configuration")
     p.add_argument("--injections", type=int, default=20, help="injections per configuration")
@@ -188,8 +191,15 @@ def parser() -> argparse.ArgumentParser:
 
 
 def settings_from(args: argparse.Namespace) -> Settings:
-    classes = _list(args.classes) or list(INJECTORS)
+    dsa = model_is_dsa(args.model_path)
+    classes = _list(args.classes) or [c for c in INJECTORS if dsa or c not in POOL_CLASSES]
     unknown = [c for c in classes if c not in INJECTORS]
+    if not dsa and any(POOL_CLASSES.get(c) == "dsa" for c in classes):
+        raise SystemExit(
+            f"kvguard-fuzz: error: {', '.join(c for c in classes if c in POOL_CLASSES)} "
+            "corrupt DSA index keys; the model has no indexer (no index_topk in its config.json): "
+            "serve a DSA model (GLM-5, DeepSeek V3.2) with --model-path, or leave them out"
+        )
     page_sizes = _list(args.page_size, int) or [16]
     configs = []  # "mode" runs at every --page-size, "mode@16" at that page size only
     for item in _list(args.guard_mode) or ["paranoid"]:
@@ -357,6 +367,18 @@ def _model_dir(model_path: str | None) -> Path:
 
         return Path(DEFAULT_MODEL_DIR)
     return Path(model_path)
+
+
+def model_is_dsa(model_path: str | None) -> bool:
+    """Whether the model has a DSA indexer (``index_topk`` in its config.json), whose pool keeps
+    the index keys the index-key classes corrupt."""
+    import json
+
+    try:
+        config = json.loads((_model_dir(model_path) / "config.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return bool(config.get("index_topk"))
 
 
 def token_counter(model_path: str | None):

@@ -226,6 +226,61 @@ def bit_flip(sched, batch, rng, step):
     return Injection("bit_flip", step, watch, {"rid": req.rid, "slot": slot, **where})
 
 
+def index_key_flip(sched, batch, rng, step):
+    """A DSA (GLM-5) pool's second KV structure: one bit of a resting slot's index key, or of its
+    scale, flipped in one indexer layer (``kvbytes.flip_index_bit``). The indexer scores that
+    token by its key: the flip can change which tokens its readers attend to, with their latent
+    rows intact. Victims: the slot's readers, as for a latent ``bit_flip``."""
+    found = _resting_slot(sched, batch, rng)
+    if found is None:
+        return None
+    req, pos, slot = found
+    where = kvbytes.flip_index_bit(_pool(sched), slot, rng)
+    watch = Watch(_ps(sched), step, {slot: Garbage("index_key_flip")})
+    return Injection(
+        "index_key_flip", step, watch, {"rid": req.rid, "slot": slot, "pos": pos, **where}
+    )
+
+
+def index_key_misplaced(sched, batch, rng, step):
+    """A misdirected index-key write (the page-major index store given the wrong slot): another
+    request's index key and scale land over a resting slot's, in one indexer layer; the indexer
+    then selects for that position by a stranger's key. Victims: the overwritten slot's readers
+    (the source slot keeps its own key)."""
+    found = _resting_slot(sched, batch, rng)
+    if found is None:
+        return None
+    req, pos, slot = found
+    pool = _pool(sched)
+    layer = rng.randrange(len(kvbytes.index_rows(pool)))
+    table = _table(sched)
+    others = [r for r in live_requests(sched, batch) if r is not req and r.kv.kv_committed_len > 0]
+    for src_req in rng.sample(others, len(others)) + [req]:  # a stranger's key, else its own
+        n = src_req.kv.kv_committed_len
+        src_pos = rng.randrange(n)
+        src = int(table[src_req.kv.req_pool_idx, src_pos])
+        if src != slot and kvbytes.copy_index_key(pool, src, slot, layer):
+            watch = Watch(_ps(sched), step, {slot: Garbage("index_key_misplaced")})
+            detail = {"rid": req.rid, "slot": slot, "pos": pos, "index_layer": layer,
+                      "from_rid": src_req.rid, "from_slot": src, "from_pos": src_pos}  # fmt: skip
+            return Injection("index_key_misplaced", step, watch, detail)
+    return None
+
+
+# Classes that need a pool kind beyond the KV every pool has: the plugin refuses them elsewhere.
+POOL_CLASSES = {"index_key_flip": "dsa", "index_key_misplaced": "dsa"}
+
+
+def refusal(cls: str, pool) -> str | None:
+    """Why class ``cls`` cannot be injected into this pool, or None."""
+    if POOL_CLASSES.get(cls) == "dsa" and not kvbytes.is_dsa(pool):
+        return (
+            f"{cls} corrupts DSA index keys (index_k_with_scale_buffer): the KV pool "
+            f"{type(pool).__name__} has none; run it against a DSA model (GLM-5, DeepSeek V3.2)"
+        )
+    return None
+
+
 def _resting_slot(sched, batch, rng):
     """(request, position, slot) of a token a running decode request wrote at least two steps
     ago (sealed, at rest), or None."""
@@ -532,4 +587,6 @@ INJECTORS = {
     "cross_tenant": cross_tenant,  # needs tenant isolation on and a workload with tenants
     "exponent_flip": exponent_flip,
     "in_forward_flip": in_forward_flip,
+    "index_key_flip": index_key_flip,  # DSA pools only (POOL_CLASSES)
+    "index_key_misplaced": index_key_misplaced,
 }

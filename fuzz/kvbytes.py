@@ -1,7 +1,14 @@
 """The KV pool's bytes as the injectors touch them, by slot: every per-slot buffer of an MHA pool
 (``k_buffer`` and ``v_buffer``: K and V per layer) or of an MLA pool (``kv_buffer``: one
 compressed latent row, ``kv_lora_rank + rope_dim`` wide, per token and layer). Slot ``s`` is
-row ``s`` of every buffer whatever its kind, so the injectors need no other pool knowledge."""
+row ``s`` of every such buffer whatever its kind, so the injectors need no other pool knowledge.
+
+A DSA (GLM-5) pool is an MLA pool plus, per indexer layer, its index keys
+(``index_k_with_scale_buffer``: ``[pages, page_size * (index_head_dim + 4)]`` bytes, page-major:
+page ``p`` holds the FP8 keys of slots ``p * page_size ...`` token by token, then their fp32
+scales). ``kv_buffers`` are its latents (what ``bit_flip`` and the other latent classes flip);
+``index_rows`` its index keys and scales by slot (the index-key classes'); a snapshot, write,
+zero or comparison of slots covers both, as the page's one lifecycle does."""
 
 from __future__ import annotations
 
@@ -23,6 +30,55 @@ def kv_buffers(pool) -> list[torch.Tensor]:
     )
 
 
+def is_dsa(pool) -> bool:
+    """Whether the pool keeps DSA index keys beside its KV (``index_k_with_scale_buffer``)."""
+    return hasattr(pool, "index_k_with_scale_buffer")
+
+
+def index_rows(pool) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Per indexer layer that stores index keys (a layer reusing the previous one's top-k stores
+    none), ``(keys, scales)`` as ``[pages, page_size, bytes]`` views of its buffer: slot ``s``'s
+    key is ``keys[s // page_size, s % page_size]`` (``index_head_dim`` FP8 bytes), its scale the
+    same row of ``scales`` (4 bytes, fp32). Raises TypeError for a pool without index keys and for
+    index pages other than one allocator page of one key per token (as the guard's adapter)."""
+    if not is_dsa(pool):
+        raise TypeError(
+            f"index-key faults need a DSA pool's index keys (index_k_with_scale_buffer): "
+            f"{type(pool).__name__} has none; inject them into a DSA model (GLM-5, DeepSeek V3.2)"
+        )
+    ps, dim = pool.page_size, pool.index_head_dim
+    scale = dim // pool.quant_block_size * 4
+    if pool.index_kpool != 1 or pool.index_page_size != ps or pool.kpool_use_compress:
+        raise TypeError(
+            f"index keys pooled {pool.index_kpool} pages per row (index page "
+            f"{pool.index_page_size}, compressed {pool.kpool_use_compress}): not modelled"
+        )
+    out = []
+    for buf in pool.index_k_with_scale_buffer:
+        if buf.shape[0] == 0:
+            continue
+        assert buf.dtype == torch.uint8 and buf.shape[1] == ps * (dim + scale), buf.shape
+        keys = buf[:, : ps * dim].unflatten(1, (ps, dim))  # views: writes land in the pool
+        scales = buf[:, ps * dim : ps * (dim + scale)].unflatten(1, (ps, scale))
+        out.append((keys, scales))
+    return out
+
+
+def _parts(pool) -> list[tuple[torch.Tensor, int]]:
+    """Every per-slot part of the pool: (tensor, 0) for a slot-major buffer (row ``s``), and
+    (tensor, page size) for a page-major ``[pages, page_size, bytes]`` view (DSA index keys)."""
+    out = [(b, 0) for b in kv_buffers(pool)]
+    if is_dsa(pool):
+        ps = pool.page_size
+        out += [(part, ps) for pair in index_rows(pool) for part in pair]
+    return out
+
+
+def _at(paged: int, slots: torch.Tensor) -> tuple:
+    """The index of these slots' rows in a part (see ``_parts``)."""
+    return (slots,) if not paged else (slots // paged, slots % paged)
+
+
 def _bytes(rows: torch.Tensor) -> torch.Tensor:
     """[n, ...] rows of one buffer as [n, bytes] (a copy: advanced indexing gathers)."""
     return rows.contiguous().view(torch.uint8).reshape(rows.shape[0], -1)
@@ -30,19 +86,19 @@ def _bytes(rows: torch.Tensor) -> torch.Tensor:
 
 def snapshot(pool, slots: torch.Tensor) -> list[torch.Tensor]:
     """The slots' bytes in every buffer (to write back later, or to compare with)."""
-    return [b[slots].clone() for b in kv_buffers(pool)]
+    return [b[_at(paged, slots)].clone() for b, paged in _parts(pool)]
 
 
 def write(pool, slots: torch.Tensor, saved: list[torch.Tensor]) -> None:
     """Write bytes taken by ``snapshot`` into these slots (a late transfer, a restore)."""
-    for buf, rows in zip(kv_buffers(pool), saved):
-        buf[slots] = rows
+    for (buf, paged), rows in zip(_parts(pool), saved):
+        buf[_at(paged, slots)] = rows
 
 
 def zero(pool, slots: torch.Tensor) -> None:
     """The slots as a load that has not landed yet leaves them: zero bytes."""
-    for buf in kv_buffers(pool):
-        buf[slots] = torch.zeros_like(buf[slots])
+    for buf, paged in _parts(pool):
+        buf[_at(paged, slots)] = 0
 
 
 def flip_bit(pool, slot: int, rng: random.Random) -> dict:
@@ -113,6 +169,32 @@ def changed(pool, slots: torch.Tensor, saved: list[torch.Tensor]) -> torch.Tenso
     """[n] bool: which slots' bytes differ (in any buffer) from a ``snapshot``. Bytes, not values:
     a NaN equals itself here."""
     out = torch.zeros(slots.numel(), dtype=torch.bool)
-    for buf, rows in zip(kv_buffers(pool), saved):
-        out |= (_bytes(buf[slots]) != _bytes(rows)).any(dim=1).cpu()
+    for (buf, paged), rows in zip(_parts(pool), saved):
+        out |= (_bytes(buf[_at(paged, slots)]) != _bytes(rows)).any(dim=1).cpu()
     return out
+
+
+def flip_index_bit(pool, slot: int, rng: random.Random) -> dict:
+    """Flip one random bit of ``slot``'s index key or of its scale (one in five: the scale's 4
+    bytes against the key's 128), in one random indexer layer; returns where."""
+    rows = index_rows(pool)
+    layer = rng.randrange(len(rows))
+    part = "scale" if rng.random() < 0.2 else "key"
+    ps = pool.page_size
+    row = rows[layer][part == "scale"][slot // ps, slot % ps]  # a view: the flip lands in the pool
+    byte, bit = rng.randrange(row.numel()), rng.randrange(8)
+    row[byte] ^= 1 << bit
+    return {"index_layer": layer, "part": part, "byte": byte, "bit": bit}
+
+
+def copy_index_key(pool, src: int, dst: int, layer: int) -> bool:
+    """Copy slot ``src``'s index key and scale over slot ``dst``'s in one indexer layer (a
+    misdirected index-key write); False, and nothing written, if the two are byte-equal."""
+    ps = pool.page_size
+    keys, scales = index_rows(pool)[layer]
+    s, d = (src // ps, src % ps), (dst // ps, dst % ps)
+    if torch.equal(keys[s], keys[d]) and torch.equal(scales[s], scales[d]):
+        return False
+    keys[d] = keys[s].clone()
+    scales[d] = scales[s].clone()
+    return True

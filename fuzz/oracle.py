@@ -163,6 +163,8 @@ def injections_from_log(events: list[dict], planned: list[dict]) -> dict[int, di
         kind = ev.get("event")
         if kind == "skipped":
             rec["status"] = "skipped"
+        elif kind == "injector_error" and rec["status"] == "not_run":  # refused (another pool)
+            rec["status"], rec["detail"] = "injector_error", ev.get("error")
         elif kind == "unfired":  # an in-forward flip whose layer never ran: nothing changed
             rec["victims"], rec["exposed"], rec["why"] = {}, {}, {}
             rec["pending"], rec["unfired"], rec["read_at"] = True, True, {}

@@ -100,6 +100,14 @@ FUZZ_NAMES = [
     (f"{_POOLS}.MHATokenToKVPool.k_buffer", "attribute", "kvbytes", "K per layer"),
     (f"{_POOLS}.MHATokenToKVPool.v_buffer", "attribute", "kvbytes", "V per layer"),
     (f"{_POOLS}.MLATokenToKVPool.kv_buffer", "attribute", "kvbytes", "one latent row per token and layer"),
+    (f"{_POOLS}.DSATokenToKVPool.kv_buffer", "attribute", "kvbytes", "DSA: the latent rows"),
+    (f"{_POOLS}.DSATokenToKVPool.index_k_with_scale_buffer", "attribute", "kvbytes", "DSA: index keys then scales, page-major, per indexer layer"),
+    (f"{_POOLS}.DSATokenToKVPool.page_size", "attribute", "kvbytes", "slots per index page"),
+    (f"{_POOLS}.DSATokenToKVPool.index_head_dim", "attribute", "kvbytes", "bytes of an FP8 index key"),
+    (f"{_POOLS}.DSATokenToKVPool.quant_block_size", "attribute", "kvbytes", "key values per fp32 scale"),
+    (f"{_POOLS}.DSATokenToKVPool.index_kpool", "attribute", "kvbytes", "one allocator page per index page, else refused"),
+    (f"{_POOLS}.DSATokenToKVPool.index_page_size", "attribute", "kvbytes", "the same"),
+    (f"{_POOLS}.DSATokenToKVPool.kpool_use_compress", "attribute", "kvbytes", "compressed index tails refused"),
     ("sglang.srt.model_executor.model_runner.ModelRunner.attn_backend", "attribute", "injectors", "in_forward_flip wraps its class's methods"),
     (f"{_ATTN}.forward_decode", "callable", "injectors", "in_forward_flip: flips before a decode layer reads"),
     (f"{_ATTN}.forward_extend", "callable", "injectors", "same, for an extend forward"),
@@ -259,13 +267,23 @@ def around_run_batch(original, sched, batch, *args, **kwargs):
 
 
 def _inject(st: FuzzState, sched, batch, injectors):
-    """Try the queue's head entry at this step; the new injection, or None."""
+    """Try the queue's head entry at this step; the new injection, or None. An entry whose class
+    this pool cannot take (``injectors.refusal``: index-key classes on a pool without index keys)
+    is dropped and logged as an ``injector_error`` naming it."""
+    from kvguard.fuzz.injectors import refusal
+
     rank = sched.tp_group.rank_in_group
     while st.queue and st.queue[0].get("rank", rank) != rank:
         st.queue.pop(0)  # meant for another tensor-parallel rank's KV (e.g. one GPU's bit flip)
     if not st.queue or batch is None:
         return None
     entry = st.queue[0]
+    why = refusal(entry["cls"], sched.tp_worker.model_runner.token_to_kv_pool)
+    if why is not None:  # a class for another pool kind: dropped, with the reason
+        st.queue.pop(0)
+        st.log({"event": "injector_error", "id": entry["id"], "cls": entry["cls"],
+                "step": st.step, "error": why})  # fmt: skip
+        return None
     entry.setdefault("tries", 0)
     entry["tries"] += 1
     rng = random.Random(entry.get("seed", 0) * 1_000_003 + st.step)
