@@ -36,15 +36,15 @@ class GuardedEngine:
         self.engine, self.control, self.fuzz_log = engine, control, fuzz_log
         self.plan: list[dict] = []
 
-    def run(self, prompts: list[str], tag: str = "ref") -> list[dict]:
+    def run(self, prompts: list[str], tag: str = "ref", sampling: dict | None = None) -> list[dict]:
         """All prompts concurrently, request ids ``{tag}-{i}``; an aborted request comes back as
-        {"error": message, "rid": ...}."""
+        {"error": message, "rid": ...}. ``sampling`` replaces :data:`SAMPLING`."""
         rids = [f"{tag}-{i}" for i in range(len(prompts))]
 
         async def go():
             return await asyncio.gather(
                 *[
-                    self.engine.async_generate(p, SAMPLING, rid=rid)
+                    self.engine.async_generate(p, sampling or SAMPLING, rid=rid)
                     for p, rid in zip(prompts, rids)
                 ],
                 return_exceptions=True,
@@ -87,7 +87,10 @@ class GuardedEngine:
 
 
 @contextmanager
-def guarded_engine(tmp: Path, page_size: int, mode: str = "paranoid", env=None, **engine_args):
+def guarded_engine(
+    tmp: Path, page_size: int, mode: str = "paranoid", env=None, model=None, **engine_args
+):
+    """The engine over ``model`` (default: the embedded serving model)."""
     control, fuzz_log = tmp / "control.json", tmp / "fuzz.jsonl"
     env = {
         "SGLANG_CACHE_DIR": str(tmp / "sglang-cache"),
@@ -97,7 +100,8 @@ def guarded_engine(tmp: Path, page_size: int, mode: str = "paranoid", env=None, 
         "KVGUARD_FUZZ_LOG": str(fuzz_log),
         **(env or {}),
     }
-    model, _ = serving_model()
+    if model is None:
+        model, _ = serving_model()
     args = dict(max_total_tokens=2048, page_size=page_size, chunked_prefill_size=128)
     with cpu_engine(model, env, **{**args, **engine_args}) as engine:
         yield GuardedEngine(engine, control, fuzz_log)
