@@ -2,8 +2,8 @@
 
 A ~2M-parameter ``GlmMoeDsaForCausalLM`` with the default model's tokenizer, built by
 ``python -m kvguard.serve.glm_model.build`` on the Python standard library source into
-``checkpoint/``: the DSA model kvguard is to be served and tested with, offline. The checkpoint is
-not committed yet; :func:`ensure_glm_model` says how to build it. See ``README.md``.
+``checkpoint/`` (committed): the DSA model kvguard is served and tested with, offline. Serve it
+with ``kvguard-serve --embedded-model glm``. See ``README.md`` and ``checkpoint/build_report.json``.
 
 This module imports nothing heavy (no torch / transformers).
 """

@@ -1,0 +1,75 @@
+"""The GLM-5 architecture (GlmMoeDsa: MLA + DSA sparse attention + MoE) served and guarded on CPU,
+with kvguard's tiny trained GLM model (serve/glm_model/).
+
+* HF equality: while a sequence holds at most ``index_topk`` tokens the indexer selects every
+  causal position, so SGLang (patches/dsa_cpu.py) and transformers compute the same function:
+  equal greedy tokens in float32, with the guard on, again through the prefix cache.
+* ``kvguard-serve --embedded-model glm`` at its defaults (guard on, FP8 KV, page 64) starts,
+  answers, checks its steps and flags nothing.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("sglang")
+
+from quant_helpers import hf_greedy, prompt_ids, sglang_engine, sglang_greedy  # noqa: E402
+
+from kvguard.serve.glm_model import ensure_glm_model  # noqa: E402
+
+N_NEW = 12
+
+
+@pytest.fixture(scope="module")
+def model():
+    return ensure_glm_model()
+
+
+def test_checkpoint_is_a_dsa_model(model):
+    cfg = json.loads((model / "config.json").read_text())
+    assert cfg["architectures"] == ["GlmMoeDsaForCausalLM"]
+    assert cfg["index_head_dim"] == 128 and cfg["q_lora_rank"] and cfg["index_topk"] >= 16
+    assert cfg["indexer_rope_interleave"] is True
+
+
+@pytest.mark.engine
+def test_greedy_equals_transformers_within_index_topk(model):
+    topk = json.loads((model / "config.json").read_text())["index_topk"]
+    n_new = min(N_NEW, topk // 2)
+    ids = [p for p in prompt_ids(model) if len(p) + n_new <= topk][:3]
+    assert ids, "no prompt short enough"
+    want = hf_greedy(model, ids, n_new, dtype=torch.float32)
+    with sglang_engine(
+        model, guard_mode="paranoid", page_size=64, dtype="float32", kv_cache_dtype="auto"
+    ) as engine:
+        first = sglang_greedy(engine, ids, n_new)
+        again = sglang_greedy(engine, ids, n_new)  # prefix-cache hits read latents and index keys
+    assert [o["output_ids"] for o in first] == want
+    assert [o["output_ids"] for o in again] == want
+
+
+@pytest.mark.engine
+def test_kvguard_serve_glm_at_defaults(serve_processes, model):
+    import requests
+
+    srv = serve_processes(["--embedded-model", "glm"])
+    prompt = "def __init__(self, " + " ".join(f"x{i}" for i in range(24))  # past index_topk
+    r = requests.post(
+        f"{srv.url}/generate",
+        json={"text": prompt, "sampling_params": {"max_new_tokens": 16, "ignore_eos": True}},
+        timeout=300,
+    )
+    assert r.status_code == 200, r.text
+    assert r.json()["meta_info"]["completion_tokens"] == 16
+    info = requests.get(f"{srv.url}/server_info", timeout=30).json()
+    assert info["kv_cache_dtype"] == "fp8_e4m3"
+    assert info["page_size"] == 64
+    assert info["model_path"] == str(model)
+    srv.wait_idle()
+    totals = srv.metric_totals()
+    assert totals.get("kvguard_steps_checked_total", 0) > 0
+    assert totals.get("kvguard_violations_total", 0) == 0
