@@ -467,8 +467,9 @@ class Guard:
     ) -> None:
         """Acting failed part-way: still quarantine the agreed bad pages (and the tree nodes the
         flagged requests wrote), so no request adopts them from the prefix cache before the idle
-        flush (requests arriving at once leave the engine no idle moment). The same pages on
-        every rank: a rank whose acting failed ends as the others' did."""
+        flush (requests arriving at once leave the engine no idle moment). The pages are the
+        agreed ones, the same on every rank (a failure on one rank alone still aborts that
+        rank's whole batch: fail_closed)."""
         try:
             if verdict is not None and not bool((kinds & int(Kind.GUARD_ERROR)).any()):
                 poisoned = self._poisoned_nodes(verdict, kinds)

@@ -49,7 +49,9 @@ def configure(fmt: str = "console", level: str = "info") -> None:
         wrapper_class=structlog.make_filtering_bound_logger(
             logging.getLevelName(level.upper()) if level in LEVELS else logging.INFO
         ),
-        logger_factory=structlog.PrintLoggerFactory(sys.stderr),
+        # one write per line (print() writes the newline apart: TP ranks sharing an unbuffered
+        # stderr interleaved two events on one line)
+        logger_factory=structlog.WriteLoggerFactory(sys.stderr),
         cache_logger_on_first_use=True,
     )
 
