@@ -352,7 +352,11 @@ class Guard:
             violations = self.fail_closed(handles)
             # pages it would have quarantined may sit in the prefix cache: flush it when idle
             self.flush_wanted = self.tree_suspect = True
-            self._quarantine_after_failure(verdict, kinds, to_quarantine)
+            try:
+                step = self.step if verdict is None else verdict.view.step
+                self._quarantine_bad(verdict, kinds, to_quarantine, step)
+            except Exception as exc2:
+                self.internal_error("resolve", exc2)
         if verdict is not None and not word & FAILED:
             self.health.step_succeeded()
         self._account(t0)
@@ -451,34 +455,33 @@ class Guard:
         self.actions.act(violations, bad, breaker_open)
         self.tree_suspect = True  # the prefix cache may hold a node a fault touched
         self.flush_wanted = True  # ... until it is flushed at the next idle moment
-        if verdict is not None and bad and not bool((kinds & int(Kind.GUARD_ERROR)).any()):
-            # (a step some rank could not judge: that rank has no verdict to name pages from)
+        self._quarantine_bad(verdict, kinds, taint, step)
+        if reclaim is not None and reclaim[0].numel():
+            self.actions.reclaim(reclaim[0], reclaim[1], step)
+        return violations
+
+    def _quarantine_bad(
+        self,
+        verdict: StepVerdict | None,
+        kinds: torch.Tensor,
+        taint: PageEpochs | None,
+        step: int,
+    ) -> None:
+        """Quarantine the step's agreed bad pages and the prefix-cache nodes its flagged
+        requests wrote. Also run when acting failed part-way (resolve), so no request adopts
+        them from the prefix cache before the idle flush (requests arriving at once leave the
+        engine no idle moment). The pages are the agreed ones, the same on every rank (a
+        failure on one rank alone still aborts that rank's whole batch: fail_closed)."""
+        if (
+            verdict is not None
+            and bool(kinds.any())
+            and not bool((kinds & int(Kind.GUARD_ERROR)).any())
+        ):  # (a step some rank could not judge: that rank has no verdict to name pages from)
             poisoned = self._poisoned_nodes(verdict, kinds)
             if poisoned[0].numel():
                 taint = poisoned if taint is None else _union([taint, poisoned])
         if taint is not None and taint[0].numel():
             self._quarantine(taint, step)
-        if reclaim is not None and reclaim[0].numel():
-            self.actions.reclaim(reclaim[0], reclaim[1], step)
-        return violations
-
-    def _quarantine_after_failure(
-        self, verdict: StepVerdict | None, kinds: torch.Tensor, taint: PageEpochs | None
-    ) -> None:
-        """Acting failed part-way: still quarantine the agreed bad pages (and the tree nodes the
-        flagged requests wrote), so no request adopts them from the prefix cache before the idle
-        flush (requests arriving at once leave the engine no idle moment). The pages are the
-        agreed ones, the same on every rank (a failure on one rank alone still aborts that
-        rank's whole batch: fail_closed)."""
-        try:
-            if verdict is not None and not bool((kinds & int(Kind.GUARD_ERROR)).any()):
-                poisoned = self._poisoned_nodes(verdict, kinds)
-                if poisoned[0].numel():
-                    taint = poisoned if taint is None else _union([taint, poisoned])
-            if taint is not None and taint[0].numel():
-                self._quarantine(taint, self.step if verdict is None else verdict.view.step)
-        except Exception as exc:
-            self.internal_error("resolve", exc)
 
     def _poisoned_nodes(self, verdict: StepVerdict, kinds: torch.Tensor) -> PageEpochs:
         """Pages flagged requests wrote this step that the prefix cache holds by now: computed
