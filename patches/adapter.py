@@ -142,10 +142,16 @@ def index_key_buffers(pool, num_slots: int) -> list[KvBuffer]:
             raise ValueError(f"an index-key buffer {tuple(buf.shape)} {buf.dtype}")
         if buf.shape[0] * ps < num_slots:
             raise ValueError(f"{buf.shape[0]} index pages do not cover {num_slots} slots")
-        out.append(page_major(buf, offset=0, slot_bytes=dim, row_bytes=dim, per_page=ps))
-        out.append(
-            page_major(
-                buf, offset=ps * dim, slot_bytes=scale_bytes, row_bytes=scale_bytes, per_page=ps
-            )
-        )
+        out += index_key_views(buf, ps, dim, scale_bytes)
     return out
+
+
+def index_key_views(buf, page_size: int, dim: int, scale_bytes: int) -> list[KvBuffer]:
+    """One indexer layer's buffer as its two page-major views, (keys, scales): what the guard
+    hashes, and what a verified read of that layer's index keys hashes as it reads."""
+    keys = page_major(buf, offset=0, slot_bytes=dim, row_bytes=dim, per_page=page_size)
+    scales = page_major(
+        buf, offset=page_size * dim, slot_bytes=scale_bytes, row_bytes=scale_bytes,
+        per_page=page_size,
+    )  # fmt: skip
+    return [keys, scales]

@@ -32,6 +32,9 @@ import contextlib
 
 import torch
 
+from kvguard.patches import kv_read
+from kvguard.patches.adapter import index_key_views
+
 INDEX_PAGE = 64  # tokens per index-key page (SGLang's DSA pool asserts page size 64)
 INDEX_DIM = 128  # index_head_dim (asserted by the pool)
 KEY_BYTES = INDEX_PAGE * INDEX_DIM  # scales start here in each page row
@@ -139,9 +142,17 @@ def around_indexer_forward_native(
     store_index_keys(buf, forward_batch.out_cache_loc, key)
     topk = torch.full((x.shape[0], indexer.index_topk), -1, dtype=torch.int32, device=x.device)
     req_to_token = get_req_to_token_pool().req_to_token
+    hashed = _hashed_index_keys(forward_batch, req_to_token, buf, pool.page_size)
+    read = 0
     for row, start, n, seq_len in _requests(forward_batch):
-        slots = req_to_token[row, :seq_len].to(torch.int64)
-        k8, s_k = load_index_keys(buf, slots)
+        if hashed is None:
+            slots = req_to_token[row, :seq_len].to(torch.int64)
+            k8, s_k = load_index_keys(buf, slots)
+        else:
+            k8, s_k = _index_key_values(
+                hashed[0][read : read + seq_len], hashed[1][read : read + seq_len]
+            )
+        read += seq_len
         topk[start : start + n] = select_topk(
             query[start : start + n],
             weights[start : start + n],
@@ -174,6 +185,32 @@ def indexer_qkw(indexer, x, q_lora, positions):
     return key, query, weights
 
 
+def _hashed_index_keys(forward_batch, req_to_token, buf, page_size: int):
+    """(keys [N, 128] uint8, scales [N, 4] uint8) of every slot the batch reads, hashed into the
+    forward's read record, when the guard verifies reads (None: it does not, or the read could
+    not be hashed: the step then fails closed and the keys are read plain)."""
+    guard = kv_read.verifying_guard()
+    if guard is None or not len(forward_batch.req_pool_indices):
+        return None
+    try:
+        keys, scales = index_key_views(buf, page_size, INDEX_DIM, 4)
+        return (
+            kv_read.hashed_rows(guard, forward_batch, req_to_token, keys),
+            kv_read.hashed_rows(guard, forward_batch, req_to_token, scales),
+        )
+    except Exception as exc:
+        kv_read.fail_read(forward_batch, exc)
+        return None
+
+
+def _index_key_values(
+    keys: torch.Tensor, scales: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(FP8 keys as fp32 [N, 128], fp32 scales [N]) from their stored bytes."""
+    k8 = keys.contiguous().view(torch.float8_e4m3fn).float()
+    return k8, scales.contiguous().view(torch.float32).view(-1)
+
+
 def quantize_index_keys(key: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(FP8 e4m3 keys [N, 128], fp32 scales [N]): scale = max(amax, 1e-4) / 448 per key."""
     k = key.to(torch.bfloat16).float()
@@ -204,8 +241,7 @@ def load_index_keys(buf: torch.Tensor, slots: torch.Tensor) -> tuple[torch.Tenso
     """(FP8 keys as fp32 [N, 128], fp32 scales [N]) stored at ``slots``."""
     keys, scales = _index_views(buf)
     page, off = slots // INDEX_PAGE, slots % INDEX_PAGE
-    k8 = keys[page, off].view(torch.float8_e4m3fn).float()
-    return k8, scales[page, off].contiguous().view(torch.float32).view(-1)
+    return _index_key_values(keys[page, off], scales[page, off])
 
 
 def select_topk(query, weights, k8, s_k, positions, index_topk: int) -> torch.Tensor:
@@ -264,9 +300,15 @@ def around_attention(
     out = q.new_empty((q.shape[0], heads, layer.v_head_dim))
     req_to_token = backend.req_to_token_pool.req_to_token
     positions = forward_batch.positions
+    hashed = _hashed_latents(pool, layer, forward_batch, req_to_token)
+    read = 0
     for row, start, n, seq_len in _requests(forward_batch):
-        slots = req_to_token[row, :seq_len].to(torch.int64)
-        rows = read_latent(pool, layer, slots)  # [L, R + rope] fp32
+        if hashed is None:
+            slots = req_to_token[row, :seq_len].to(torch.int64)
+            rows = read_latent(pool, layer, slots)  # [L, R + rope] fp32
+        else:
+            rows = hashed[read : read + seq_len]
+        read += seq_len
         if topk_indices is None:  # no indexer ran for this layer: dense causal
             span = torch.arange(seq_len, device=q.device)
             sel = span[None, :].expand(n, seq_len)
@@ -310,9 +352,29 @@ def write_latent(pool, layer, loc: torch.Tensor, k: torch.Tensor) -> None:
 def read_latent(pool, layer, slots: torch.Tensor) -> torch.Tensor:
     """Latent rows at ``slots`` as fp32 [N, R + rope]."""
     buf = pool.kv_buffer[layer.layer_id - pool.start_layer]
+    return _latent_values(pool, buf[slots, 0])
+
+
+def _hashed_latents(pool, layer, forward_batch, req_to_token) -> torch.Tensor | None:
+    """The latent rows of every slot the batch reads, fp32 [N, R + rope], hashed into the
+    forward's read record when the guard verifies reads (None: as ``_hashed_index_keys``)."""
+    guard = kv_read.verifying_guard()
+    if guard is None or not len(forward_batch.req_pool_indices):
+        return None
+    try:
+        buf = pool.kv_buffer[layer.layer_id - pool.start_layer]
+        raw = kv_read.hashed_rows(guard, forward_batch, req_to_token, buf)
+        return _latent_values(pool, raw[:, 0])
+    except Exception as exc:
+        kv_read.fail_read(forward_batch, exc)
+        return None
+
+
+def _latent_values(pool, stored: torch.Tensor) -> torch.Tensor:
+    """Stored latent rows [N, row] (packed FP8 bytes, or the pool's dtype) as fp32."""
     if pool.dsa_kv_cache_store_fp8:
-        return unpack_fp8_rows(buf[slots, 0], pool.kv_lora_rank)
-    return buf[slots, 0].view(pool.dtype).float()
+        return unpack_fp8_rows(stored, pool.kv_lora_rank)
+    return stored.view(pool.dtype).float()
 
 
 def pack_fp8_rows(nope: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:

@@ -25,8 +25,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kvguard.kernels.kv_checksum_ref import KvBuffer, PageMajor
 from kvguard.patches import cpu_fp8_kv, state
-from kvguard.patches.adapter import DSA_POOLS
 from kvguard.step import ReadSums
 
 _local = threading.local()  # the attention layer running now, and this forward's read record
@@ -47,16 +47,13 @@ class ReadRecord:
 
 
 def read_path_unavailable(model_runner) -> str | None:
-    """Why this runner's attention reads cannot be hashed as they are read (None: they can)."""
+    """Why this runner's attention reads cannot be hashed as they are read (None: they can).
+    A CPU DSA pool's reads are hashed by ``dsa_cpu`` (its indexer and sparse MLA read through
+    :func:`hashed_rows`), as torch_native's are here."""
     backend = type(getattr(model_runner, "attn_backend", None)).__name__
     if backend != "TorchNativeAttnBackend":
         return f"attention backend {backend} (reads are hashed in torch_native only)"
     pool = model_runner.token_to_kv_pool
-    if type(pool).__name__ in DSA_POOLS:
-        # The indexer reads the index keys outside attention's gather, so a hashed read would
-        # miss them (and ``Guard.verify_reads`` would fail every step): verified modes check
-        # every read page, index keys included, before the forward instead.
-        return "a DSA pool (the indexer's index-key reads are not hashed as they are read)"
     if str(getattr(pool, "device", "cpu")) != "cpu":
         return "a GPU pool (no verified-read attention kernel for it yet)"
     try:
@@ -174,12 +171,13 @@ def _fail(forward_batch, exc: Exception) -> None:
             guard.internal_error("read", exc)
 
 
-def _gather(guard, rec: ReadRecord, cache: torch.Tensor, table) -> torch.Tensor:
+def _gather(guard, rec: ReadRecord, cache: torch.Tensor, table, index_of=None) -> torch.Tensor:
+    """``index_of``: the guarded buffer ``cache`` views (default: ``cache`` itself)."""
     from kvguard.kernels import read_verify
 
     index = None
     if guard is not None and rec.acc is not None:
-        index = guard.buffer_index(cache)
+        index = guard.buffer_index(cache if index_of is None else index_of)
         if index is None:
             raise UnverifiableRead(
                 f"attention read a buffer the guard does not hold ({cache.shape})"
@@ -190,6 +188,54 @@ def _gather(guard, rec: ReadRecord, cache: torch.Tensor, table) -> torch.Tensor:
         base, rec.rows, table, index, rec.acc if index is not None else None
     )
     return out if table is not None else out.view(cache.dtype)
+
+
+# -- reads outside torch_native's SDPA loop (dsa_cpu: the indexer's keys, sparse MLA's latents) -----
+def verifying_guard():
+    """The guard when it verifies reads (attention must hash what it reads), else None."""
+    guard = state.guard
+    return guard if guard is not None and guard.active and guard.verifies_reads else None
+
+
+def hashed_rows(guard, forward_batch, req_to_token, buffer: KvBuffer) -> torch.Tensor:
+    """Every row the batch reads from ``buffer`` (the record's rows: request by request,
+    position by position) as stored, each row's checksum part folded into this forward's record.
+    Slot-major buffers give ``[N, *row shape]``, page-major ones ``[N, row_bytes]`` uint8. A read
+    that cannot be taken raises: the caller reads unhashed and the step fails closed
+    (:func:`fail_read`)."""
+    rec = _record(
+        forward_batch, False, req_to_token, forward_batch.req_pool_indices,
+        forward_batch.seq_lens, guard,
+    )  # fmt: skip
+    if not isinstance(buffer, PageMajor):
+        return _gather(guard, rec, buffer, None)
+    virtual, rows = _slot_major(buffer, rec.rows)
+    saved, rec.rows = rec.rows, rows
+    try:
+        return _gather(guard, rec, virtual, None, index_of=buffer).view(torch.uint8)
+    finally:
+        rec.rows = saved
+
+
+def fail_read(forward_batch, exc: Exception) -> None:
+    """A read outside the SDPA loop could not be hashed: the step fails closed."""
+    _fail(forward_batch, exc)
+
+
+def _slot_major(buffer: PageMajor, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A page-major buffer as a slot-major view with a row stride (the page-major row stride
+    divides the page stride, as in DSA's index pages: 8448 = 66 x 128 = 2112 x 4), and the slots
+    ``rows`` mapped into it; a slot outside the buffer maps to -1 (read as out of pool)."""
+    w = buffer.words  # int32 [pages, per_page, words]
+    pages, per_page, words = w.shape
+    page_stride, row_stride = w.stride(0), w.stride(1)
+    if pages == 0 or row_stride < words or page_stride % row_stride or w.stride(2) != 1:
+        raise UnverifiableRead(f"a page-major buffer with strides {w.stride()}")
+    ratio = page_stride // row_stride
+    virtual = w.as_strided(((pages - 1) * ratio + per_page, words), (row_stride, 1))
+    inside = (rows >= 0) & (rows < pages * per_page)
+    mapped = (rows // per_page) * ratio + rows % per_page
+    return virtual, torch.where(inside, mapped, -1).contiguous()
 
 
 def _record(

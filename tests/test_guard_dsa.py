@@ -147,18 +147,60 @@ def test_a_scrubbed_page_loses_its_index_keys_and_only_its_own():
     assert pool.flagged() == {a.rid}
 
 
-def test_verified_reads_fall_back_to_checking_before_the_forward():
-    """Attention's hashed read covers the latents only (the indexer reads the index keys): a
-    DSA pool reports no read path, so verified mode checks every read page before the forward
-    (test above). Were the read path enabled anyway, no step is vouched for: each fails closed."""
-    from kvguard.patches.kv_read import read_path_unavailable
+def test_verified_reads_hash_every_dsa_buffer_as_the_seal_does():
+    """A CPU DSA pool has a read path: the indexer and sparse MLA (patches/dsa_cpu.py) read the
+    index keys, their scales and the latents through ``kv_read.hashed_rows``. Per row read,
+    the parts folded into the forward's record over all buffers add up to the token checksum's
+    inner sum the ledger seals (``inner_sums_ref``), for slot-major latents and page-major index
+    keys alike, FP8 (packed rows) and BF16; a slot outside the pool reads as out of pool; the
+    bytes come back as stored."""
+    from types import SimpleNamespace
 
-    dsa = _dsa_pool()
-    runner = type("Runner", (), {})()
-    runner.attn_backend = type("TorchNativeAttnBackend", (), {})()
-    runner.token_to_kv_pool = dsa
-    assert "DSA pool" in (read_path_unavailable(runner) or "")
+    from kvguard.kernels.kv_checksum_ref import inner_sums_ref
+    from kvguard.kernels.read_verify_ref import OUT_OF_POOL
+    from kvguard.patches import kv_read
 
+    for dtype in (torch.bfloat16, torch.float8_e4m3fn):
+        dsa = _dsa_pool(dtype)
+        runner = SimpleNamespace(token_to_kv_pool=dsa)
+        runner.attn_backend = type("TorchNativeAttnBackend", (), {})()
+        assert kv_read.read_path_unavailable(runner) is None
+        _, bufs = guarded_kv_buffers(dsa)
+        g = torch.Generator().manual_seed(3)
+        for raw in list(dsa.kv_buffer) + list(dsa.index_k_with_scale_buffer[:2]):
+            u8 = raw.view(torch.uint8)
+            u8.copy_(torch.randint(0, 256, u8.shape, dtype=torch.uint8, generator=g))
+        lens = [70, 5, 130]
+        table = torch.randint(0, PAGES * PS, (3, 200), dtype=torch.int32, generator=g)
+        table[1, 3] = PAGES * PS + 9  # a corrupted page-table entry: outside the pool
+        batch = SimpleNamespace(
+            req_pool_indices=torch.tensor([2, 0, 1]), seq_lens=torch.tensor(lens)
+        )
+        table2 = torch.zeros(3, 200, dtype=torch.int32)
+        table2[2], table2[0], table2[1] = table[0], table[1], table[2]  # rows named by the batch
+        index = {b.data_ptr(): i for i, b in enumerate(bufs)}  # as Guard.buffer_index
+        guard = SimpleNamespace(buffer_index=lambda b: index.get(b.data_ptr()))
+        kv_read.clear_record()
+        got = [kv_read.hashed_rows(guard, batch, table2, b) for b in reversed(bufs)]
+        rec = kv_read.take_record()
+        assert rec is not None and sorted(rec.buffers) == list(range(len(bufs)))
+        rows = torch.cat([table[i, :n].to(torch.int64) for i, n in enumerate(lens)])
+        assert torch.equal(rec.rows, rows)
+        inside = rows < PAGES * PS
+        want = inner_sums_ref(bufs, rows.clamp_max(PAGES * PS - 1))
+        assert torch.equal(rec.acc[inside], want[inside])
+        out_of_pool = torch.tensor(OUT_OF_POOL) * len(bufs)  # wrapping, as the sums do
+        assert bool((rec.acc[~inside] == out_of_pool).all())
+        keys, lat = got[1], got[-1]  # the last indexer's keys; the first layer's latents
+        raw = dsa.index_k_with_scale_buffer[1]
+        p, o = divmod(int(rows[0]), PS)
+        assert torch.equal(keys[0], raw[p, o * 128 : (o + 1) * 128])
+        assert torch.equal(lat[0].view(torch.uint8), dsa.kv_buffer[0][rows[0]].view(torch.uint8))
+
+
+def test_a_read_that_was_not_hashed_fails_the_step_closed():
+    """Verified mode with the read path on, but nothing hashed what the forward read (as when
+    a read could not be taken): no step is vouched for, each fails closed."""
     dsa, pool = _guarded("verified", "cpu")
     a, b = _two(pool, decode=0)
     assert not pool.violations
