@@ -324,12 +324,22 @@ def test_priority_preemption_is_guarded(tmp_path):
     ) as eng:
         engine, prompts = eng.engine, workload(8, seed=1)
 
+        decoding = asyncio.Semaphore(0)
+
+        async def streamed(i: int, prompt: str) -> dict:
+            last = None
+            gen = await engine.async_generate(prompt, long, rid=f"low-{i}", priority=0, stream=True)
+            async for chunk in gen:
+                if last is None:
+                    decoding.release()
+                last = chunk
+            assert last is not None
+            return last
+
         async def go():
-            low = [
-                asyncio.ensure_future(engine.async_generate(p, long, rid=f"low-{i}", priority=0))
-                for i, p in enumerate(prompts[:4])
-            ]
-            await asyncio.sleep(2)  # the low-priority requests are decoding: the batch is full
+            low = [asyncio.ensure_future(streamed(i, p)) for i, p in enumerate(prompts[:4])]
+            for _ in low:  # every low-priority request is decoding: the batch is full
+                await decoding.acquire()
             high = [
                 engine.async_generate(p, SAMPLING, rid=f"high-{i}", priority=100)
                 for i, p in enumerate(prompts[4:])
