@@ -82,7 +82,27 @@ def around_model_specific_adjustments(original, server_args, *args, **kwargs):
             "SGLang's DSA argument handling changed shape (device capability asked "
             f"{len(asked)} times, expected once); update patches/dsa_cpu.py"
         )
+    if server_args.kv_cache_dtype == "fp8_e4m3":  # SGLang would assert deep in the pool sizing
+        from sglang.srt.arg_groups.overrides import model_config_of
+
+        why = fp8_rows_unsupported(model_config_of(server_args).hf_config)
+        if why:
+            raise DSAConfigError(f"--kv-cache-dtype fp8_e4m3 cannot serve this model: {why}")
     return result
+
+
+def fp8_rows_unsupported(hf_config) -> str | None:
+    """Why SGLang's FP8 DSA latent row cannot hold this model's latent (None: it can): one
+    fp32 scale per 128 latent values, so ``kv_lora_rank`` must be a multiple of 128. ``hf_config``:
+    the HF config object or its ``config.json`` dict."""
+    get = hf_config.get if isinstance(hf_config, dict) else lambda k: getattr(hf_config, k, None)
+    rank = int(get("kv_lora_rank") or 0)
+    if rank % QUANT_BLOCK:
+        return (
+            f"kv_lora_rank {rank} is not a multiple of {QUANT_BLOCK} (SGLang's FP8 DSA latent row "
+            f"holds one fp32 scale per {QUANT_BLOCK} values)"
+        )
+    return None
 
 
 def _is_dsa_model(server_args) -> bool:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import atexit
+import json
 import logging
 import os
 import shutil
@@ -121,6 +122,21 @@ def kvguard_parser() -> argparse.ArgumentParser:
     return p
 
 
+def fp8_kv_unsupported_by(model_path: str) -> str | None:
+    """Why this model's KV cannot be stored FP8 (None: it can, or its config is not local):
+    a DSA model whose latent SGLang's FP8 row cannot hold."""
+    path = Path(model_path) / "config.json"
+    try:
+        cfg = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(cfg, dict) or "index_topk" not in cfg:  # DSA configs carry the indexer's
+        return None
+    from kvguard.patches.dsa_cpu import fp8_rows_unsupported
+
+    return fp8_rows_unsupported(cfg)
+
+
 def fp8_kv_supported() -> bool:
     """FP8 KV is kvguard's default only where kvguard's own FP8 KV support is installed."""
     return find_spec("kvguard.patches.cpu_fp8_kv") is not None
@@ -212,13 +228,22 @@ def prepare(argv: list[str]):
     extra += _unset(given, "enable_metrics", ["--enable-metrics"])
     # ---- FP8 KV default: the serving stack stores KV in fp8_e4m3 unless the user chose a dtype
     # ---- or passed --no-fp8-kv. Only where kvguard's FP8 KV support is installed.
+    # ---- A model whose KV SGLang cannot store FP8 keeps its dtype (said in the log); asked for
+    # ---- explicitly, FP8 is refused at start by the model's own check (patches/dsa_cpu.py).
+    fp8_skipped = None
+    if given.get("kv_cache_dtype") == "fp8_e4m3" and (why := fp8_kv_unsupported_by(model_path)):
+        raise LaunchError(f"--kv-cache-dtype fp8_e4m3 cannot serve this model: {why}")
     if not kv.no_fp8_kv and fp8_kv_supported():
-        extra += _unset(given, "kv_cache_dtype", ["--kv-cache-dtype", "fp8_e4m3"])
+        fp8_skipped = None if "kv_cache_dtype" in given else fp8_kv_unsupported_by(model_path)
+        if fp8_skipped is None:
+            extra += _unset(given, "kv_cache_dtype", ["--kv-cache-dtype", "fp8_e4m3"])
 
     log_level = given.get("log_level") or defaults["log_level"] or "info"
     os.environ.update(config.to_env())  # spawned schedulers read the guard config from here
     logconfig.export(kv.log_format, log_level)
     logconfig.configure(kv.log_format, log_level)
+    if fp8_skipped:
+        _log().warning("kv_cache_fp8_default_skipped", reason=fp8_skipped)
 
     from sglang.srt.server_args import prepare_server_args
 

@@ -6,6 +6,10 @@ with kvguard's tiny trained GLM model (serve/glm_model/).
   equal greedy tokens in float32, with the guard on, again through the prefix cache.
 * ``kvguard-serve --embedded-model glm`` at its defaults (guard on, FP8 KV, page 64) starts,
   answers, checks its steps and flags nothing.
+* A GlmMoeDsa checkpoint as transformers saves it (no SGLang-only keys such as
+  ``indexer_rope_interleave``) with a latent SGLang's FP8 row cannot hold (``kv_lora_rank`` 64):
+  at the defaults it is served guarded with its own KV dtype (the log says why not FP8); asked
+  for FP8 explicitly, it is refused at start in one line.
 """
 
 from __future__ import annotations
@@ -69,6 +73,56 @@ def test_kvguard_serve_glm_at_defaults(serve_processes, model):
     assert info["kv_cache_dtype"] == "fp8_e4m3"
     assert info["page_size"] == 64
     assert info["model_path"] == str(model)
+    srv.wait_idle()
+    totals = srv.metric_totals()
+    assert totals.get("kvguard_steps_checked_total", 0) > 0
+    assert totals.get("kvguard_violations_total", 0) == 0
+
+
+def _plain_hf_glm(out) -> None:
+    """A random GlmMoeDsa checkpoint saved by transformers with its defaults but toy sizes."""
+    import shutil
+    from pathlib import Path
+
+    from transformers import GlmMoeDsaConfig, GlmMoeDsaForCausalLM
+
+    tok = Path(__file__).resolve().parents[1] / "serve" / "default_model" / "checkpoint"
+    out.mkdir(parents=True, exist_ok=True)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copyfile(tok / name, out / name)
+    config = GlmMoeDsaConfig(
+        vocab_size=4096, hidden_size=128, intermediate_size=256, moe_intermediate_size=64,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=64,
+        q_lora_rank=64, n_routed_experts=8, num_experts_per_tok=2, index_n_heads=4,
+        max_position_embeddings=4096,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    GlmMoeDsaForCausalLM(config).to(torch.bfloat16).save_pretrained(out)
+    saved = json.loads((out / "config.json").read_text())
+    assert "indexer_rope_interleave" not in saved and saved["kv_lora_rank"] == 64
+
+
+@pytest.mark.engine
+def test_plain_transformers_checkpoint_served_at_defaults(serve_processes, tmp_path):
+    import requests
+    from test_serve_http import assert_one_line_error, run_cli
+
+    ckpt = tmp_path / "glm-plain"
+    _plain_hf_glm(ckpt)
+    refused = run_cli("--model-path", str(ckpt), "--kv-cache-dtype", "fp8_e4m3")
+    assert_one_line_error(refused, "fp8_e4m3 cannot serve this model", "kv_lora_rank 64")
+
+    srv = serve_processes(["--model-path", str(ckpt)])
+    r = requests.post(
+        f"{srv.url}/generate",
+        json={"text": "def add(a, b):", "sampling_params": {"max_new_tokens": 8}},
+        timeout=300,
+    )
+    assert r.status_code == 200, r.text
+    assert r.json()["meta_info"]["completion_tokens"] == 8
+    info = requests.get(f"{srv.url}/server_info", timeout=30).json()
+    assert info["kv_cache_dtype"] in ("auto", "bfloat16"), info["kv_cache_dtype"]
+    assert "kv_cache_fp8_default_skipped" in srv.log_tail(200_000)
     srv.wait_idle()
     totals = srv.metric_totals()
     assert totals.get("kvguard_steps_checked_total", 0) > 0
