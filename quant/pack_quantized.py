@@ -1,6 +1,7 @@
-"""BF16 DeepSeek-V3-architecture (Kimi K2) checkpoint -> INT4 W4A16 in the format Kimi K2 Thinking
-ships: compressed-tensors ``pack-quantized``, 4-bit ``int``, symmetric, ``strategy: group``,
-group size 32, one config group targeting ``Linear``, the layers kept in BF16 listed in ``ignore``.
+"""BF16 DeepSeek-V3-layout MoE checkpoint (Kimi K2; GLM-5's GlmMoeDsa, whose expert and attention
+names are the same) -> INT4 W4A16 in the format Kimi K2 Thinking ships: compressed-tensors
+``pack-quantized``, 4-bit ``int``, symmetric, ``strategy: group``, group size 32, one config group
+targeting ``Linear``, the layers kept in BF16 listed in ``ignore``.
 
 Reached through ``python -m kvguard.quant.quantize`` (it dispatches MoE checkpoints here).
 
@@ -45,7 +46,7 @@ import torch
 
 from kvguard.kernels.w4a16_ref import PACK, pack_rows, quantize_rtn, unpack_rows
 
-MOE_ARCHS = ("DeepseekV3ForCausalLM",)
+MOE_ARCHS = ("DeepseekV3ForCausalLM", "GlmMoeDsaForCausalLM")  # the DSA indexer is self_attn
 TARGETS = ("experts", "mlp")
 DEFAULT_GROUP_SIZE = 32  # Kimi K2 Thinking's
 QUANT_SUFFIXES = ("weight_packed", "weight_scale", "weight_shape")

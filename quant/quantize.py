@@ -5,7 +5,7 @@ Usage::
     python -m kvguard.quant.quantize --model DIR --out DIR [--group-size G] [--method rtn|gptq]
         [--targets experts|mlp]
 
-Llama checkpoints are written as GPTQ (below). DeepSeek-V3-architecture MoE checkpoints (Kimi K2)
+Llama checkpoints are written as GPTQ (below). DeepSeek-V3-layout MoE checkpoints (Kimi K2, GLM-5)
 are written as compressed-tensors ``pack-quantized`` W4A16, symmetric, group 32 by default: the
 format Kimi K2 Thinking ships (``kvguard.quant.pack_quantized``; ``--targets`` picks the routed
 experts only, or all MLP linears; round to nearest).
@@ -365,7 +365,10 @@ def main(argv: list[str] | None = None) -> int:
         prog="python -m kvguard.quant.quantize", description=__doc__.split("\n")[0]
     )
     p.add_argument(
-        "--model", required=True, type=Path, help="BF16/FP16 HF Llama or DeepseekV3 checkpoint"
+        "--model",
+        required=True,
+        type=Path,
+        help="BF16/FP16 HF Llama, DeepseekV3 or GlmMoeDsa checkpoint",
     )
     p.add_argument("--out", required=True, type=Path, help="output folder (INT4 checkpoint)")
     p.add_argument(
