@@ -54,7 +54,12 @@ def check_model_path(path: str, load_format: str = "auto") -> None:
 # What SGLang's DeepSeek model code (DeepSeek-V2/V3, Kimi K2) reads from a MoE config without a
 # default. Released DeepSeek-V3 / Kimi K2 configs carry them; a config saved by transformers 5's
 # DeepseekV3Config does not, and SGLang then stops in the scheduler with an AttributeError.
-DEEPSEEK_ARCHS = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
+DEEPSEEK_ARCHS = (
+    "DeepseekV2ForCausalLM",
+    "DeepseekV3ForCausalLM",
+    "DeepseekV32ForCausalLM",
+    "GlmMoeDsaForCausalLM",  # GLM-5: the same MoE code (transformers 5's config saves none either)
+)
 DEEPSEEK_MOE_FIELDS = {"moe_layer_freq": 1, "topk_method": "noaux_tc", "scoring_func": "sigmoid"}
 
 
@@ -63,12 +68,14 @@ def check_deepseek_moe_fields(path: str, fields: dict) -> None:
         return
     if fields.get("n_routed_experts") is None:
         return  # dense: SGLang reads none of them
+    if int(fields.get("first_k_dense_replace") or 0) >= int(fields.get("num_hidden_layers") or 0):
+        return  # every layer dense: no MoE layer reads them
     missing = [k for k in DEEPSEEK_MOE_FIELDS if k not in fields]
     if missing:
         example = ", ".join(f'"{k}": {json.dumps(DEEPSEEK_MOE_FIELDS[k])}' for k in missing)
         raise LaunchError(
             f"--model-path {path}: config.json lacks {', '.join(missing)}, which SGLang's "
-            f"DeepSeek MoE model reads (DeepSeek-V3 / Kimi K2 configs have e.g. {example})"
+            f"DeepSeek MoE model reads (DeepSeek-V3 / Kimi K2 / GLM-5 configs have e.g. {example})"
         )
 
 

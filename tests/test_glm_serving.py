@@ -9,7 +9,8 @@ with kvguard's tiny trained GLM model (serve/glm_model/).
 * A GlmMoeDsa checkpoint as transformers saves it (no SGLang-only keys such as
   ``indexer_rope_interleave``) with a latent SGLang's FP8 row cannot hold (``kv_lora_rank`` 64):
   at the defaults it is served guarded with its own KV dtype (the log says why not FP8); asked
-  for FP8 explicitly, it is refused at start in one line.
+  for FP8 explicitly, it is refused at start in one line, as is one with MoE layers whose
+  config lacks the MoE keys SGLang reads without a default (its scheduler would die loading it).
 """
 
 from __future__ import annotations
@@ -79,7 +80,7 @@ def test_kvguard_serve_glm_at_defaults(serve_processes, model):
     assert totals.get("kvguard_violations_total", 0) == 0
 
 
-def _plain_hf_glm(out) -> None:
+def _plain_hf_glm(out, first_k_dense_replace: int = 3) -> None:
     """A random GlmMoeDsa checkpoint saved by transformers with its defaults but toy sizes."""
     import shutil
     from pathlib import Path
@@ -92,7 +93,7 @@ def _plain_hf_glm(out) -> None:
         shutil.copyfile(tok / name, out / name)
     config = GlmMoeDsaConfig(
         vocab_size=4096, hidden_size=128, intermediate_size=256, moe_intermediate_size=64,
-        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=64,
+        num_hidden_layers=2, first_k_dense_replace=first_k_dense_replace, num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=64,
         q_lora_rank=64, n_routed_experts=8, num_experts_per_tok=2, index_n_heads=4,
         max_position_embeddings=4096,
     )  # fmt: skip
@@ -111,6 +112,10 @@ def test_plain_transformers_checkpoint_served_at_defaults(serve_processes, tmp_p
     _plain_hf_glm(ckpt)
     refused = run_cli("--model-path", str(ckpt), "--kv-cache-dtype", "fp8_e4m3")
     assert_one_line_error(refused, "fp8_e4m3 cannot serve this model", "kv_lora_rank 64")
+    moe = tmp_path / "glm-plain-moe"  # MoE layers: SGLang reads keys transformers does not save
+    _plain_hf_glm(moe, first_k_dense_replace=1)
+    refused = run_cli("--model-path", str(moe))
+    assert_one_line_error(refused, "lacks moe_layer_freq, topk_method, scoring_func", "GLM-5")
 
     srv = serve_processes(["--model-path", str(ckpt)])
     r = requests.post(

@@ -179,7 +179,7 @@ def test_verified_reads_hash_every_dsa_buffer_as_the_seal_does():
         table2 = torch.zeros(3, 200, dtype=torch.int32)
         table2[2], table2[0], table2[1] = table[0], table[1], table[2]  # rows named by the batch
         index = {b.data_ptr(): i for i, b in enumerate(bufs)}  # as Guard.buffer_index
-        guard = SimpleNamespace(buffer_index=lambda b: index.get(b.data_ptr()))
+        guard = SimpleNamespace(buffer_index=lambda b, index=index: index.get(b.data_ptr()))
         kv_read.clear_record()
         got = [kv_read.hashed_rows(guard, batch, table2, b) for b in reversed(bufs)]
         rec = kv_read.take_record()
@@ -201,7 +201,7 @@ def test_verified_reads_hash_every_dsa_buffer_as_the_seal_does():
 def test_a_read_that_was_not_hashed_fails_the_step_closed():
     """Verified mode with the read path on, but nothing hashed what the forward read (as when
     a read could not be taken): no step is vouched for, each fails closed."""
-    dsa, pool = _guarded("verified", "cpu")
+    _, pool = _guarded("verified", "cpu")
     a, b = _two(pool, decode=0)
     assert not pool.violations
     pool.guard.enable_read_path()
