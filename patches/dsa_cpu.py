@@ -109,7 +109,11 @@ def _is_dsa_model(server_args) -> bool:
     from sglang.srt.arg_groups.overrides import model_config_of
     from sglang.srt.configs.model_config import is_deepseek_dsa
 
-    return bool(is_deepseek_dsa(model_config_of(server_args).hf_config))
+    try:
+        hf_config = model_config_of(server_args).hf_config
+    except Exception:  # no config to read: SGLang's own handling says why, not this hook
+        return False
+    return bool(is_deepseek_dsa(hf_config))
 
 
 _CPU_KV_DTYPES = {"auto": None, "bf16": "bfloat16", "bfloat16": None, "fp8_e4m3": None}
@@ -264,9 +268,30 @@ def load_index_keys(buf: torch.Tensor, slots: torch.Tensor) -> tuple[torch.Tenso
     return _index_key_values(keys[page, off], scales[page, off])
 
 
+# Temporaries per query tile: a long prefill chunk over a long context would otherwise allocate
+# [n, heads, L] indexer scores (or [n, index_topk, D] gathered latents) at once.
+TILE_ELEMENTS = 1 << 24
+
+
+def _tiles(n: int, per_query: int):
+    step = max(1, TILE_ELEMENTS // max(1, per_query))
+    for start in range(0, n, step):
+        yield slice(start, min(n, start + step))
+
+
 def select_topk(query, weights, k8, s_k, positions, index_topk: int) -> torch.Tensor:
     """Top-k logical positions [n, index_topk] (-1 padded) for one request's ``n`` query tokens
-    over its keys ``k8``/``s_k`` (positions 0..L-1), causal."""
+    over its keys ``k8``/``s_k`` (positions 0..L-1), causal; in query tiles."""
+    n, heads = query.shape[0], query.shape[1]
+    tiles = list(_tiles(n, heads * max(1, k8.shape[0])))
+    if len(tiles) == 1:
+        return _select_topk(query, weights, k8, s_k, positions, index_topk)
+    return torch.cat(
+        [_select_topk(query[t], weights[t], k8, s_k, positions[t], index_topk) for t in tiles]
+    )
+
+
+def _select_topk(query, weights, k8, s_k, positions, index_topk: int) -> torch.Tensor:
     q = query.float()
     s_q = q.abs().amax(-1).clamp_min(INDEX_EPS) / FP8_MAX  # [n, H]
     q8 = (q * (1.0 / s_q)[..., None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).float()
@@ -343,7 +368,14 @@ def around_attention(
 
 def sparse_mla(q, rows, sel, scaling: float, v_dim: int) -> torch.Tensor:
     """softmax(scaling * q . rows[sel]) . rows[sel, :v_dim] per token over its selected rows;
-    ``sel`` [n, K] holds row indices, -1 for none."""
+    ``sel`` [n, K] holds row indices, -1 for none; in query tiles."""
+    tiles = list(_tiles(q.shape[0], sel.shape[1] * (rows.shape[1] + q.shape[1])))
+    if len(tiles) == 1:
+        return _sparse_mla(q, rows, sel, scaling, v_dim)
+    return torch.cat([_sparse_mla(q[t], rows, sel[t], scaling, v_dim) for t in tiles])
+
+
+def _sparse_mla(q, rows, sel, scaling: float, v_dim: int) -> torch.Tensor:
     valid = sel >= 0
     picked = rows[sel.clamp_min(0)]  # [n, K, D]
     logits = torch.einsum("nhd,nkd->nhk", q.float(), picked) * scaling

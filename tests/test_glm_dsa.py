@@ -373,3 +373,25 @@ def test_topk_selection_is_causal_and_padded():
     for t in range(topk, n_keys):
         want = logits[t, : t + 1].topk(topk).indices
         assert sorted(got[t].tolist()) == sorted(want.tolist())
+
+
+def test_query_tiles_give_the_same_selection_and_attention(monkeypatch):
+    """A long prefill chunk over a long context is scored and attended in query tiles (bounded
+    temporaries): the result is the untiled one."""
+    from glm_dsa_reference import fp8_rows
+
+    from kvguard.patches import dsa_cpu
+
+    torch.manual_seed(6)
+    n, heads, topk, dim = 50, 4, 16, 48
+    query, weights = torch.randn(n, heads, 128), torch.randn(n, heads)
+    k8, s_k = fp8_rows(torch.randn(n, 128).to(torch.bfloat16).float())
+    positions = torch.arange(n)
+    whole = dsa_cpu.select_topk(query, weights, k8, s_k[:, 0], positions, topk)
+    q, rows = torch.randn(n, heads, dim), torch.randn(n, dim)
+    attended = dsa_cpu.sparse_mla(q, rows, whole.to(torch.int64), 0.1, 32)
+    monkeypatch.setattr(dsa_cpu, "TILE_ELEMENTS", 7 * heads * n)  # tiles of 7 queries
+    assert len(list(dsa_cpu._tiles(n, heads * n))) == 8
+    assert torch.equal(dsa_cpu.select_topk(query, weights, k8, s_k[:, 0], positions, topk), whole)
+    tiled = dsa_cpu.sparse_mla(q, rows, whole.to(torch.int64), 0.1, 32)
+    torch.testing.assert_close(tiled, attended, rtol=1e-6, atol=1e-6)
