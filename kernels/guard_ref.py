@@ -41,7 +41,7 @@ each row at most once (as SGLang's batches do):
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -74,6 +74,7 @@ PREFIX_MISMATCH = 1 << 7
 CHECKSUM_MISMATCH = 1 << 8
 QUARANTINED_PAGE = 1 << 9
 ROW_MISMATCH = 1 << 12
+STALE_TRANSFER = 1 << 16
 
 FREE, OWNED, SHARED, QUARANTINED, ALLOCATED = (int(s) for s in PageState)
 
@@ -663,3 +664,131 @@ def reset_rows(R: RowArrays, rows: torch.Tensor) -> None:
     R.agg[rows] = 0
     R.chain_len[rows] = 0
     R.chain_tail[rows] = 0
+
+
+# -- transfers: KV written by another server (prefill/decode disaggregation) -----------------------
+# Reference only, on every backend (like quarantine_pages): one call per transferred request.
+def claim_transfer(
+    P: PageArrays,
+    R: RowArrays,
+    row: int,
+    slots: torch.Tensor,
+    tokens: torch.Tensor,
+    seed: int,
+    page_size: int,
+    epoch0: int,
+    step: int,
+) -> tuple[int, torch.Tensor]:
+    """A transfer into row ``row``'s positions [0, n) was issued: ``slots`` [n] are its
+    destination slots (the allocator's hand-out, in position order), ``tokens`` [n] the tokens
+    whose KV will land there. Each destination page is claimed for the row now, as a forward's
+    first write claims it, at epoch ``epoch0 + logical index`` (fresh, unique per claim), but
+    sealed nothing (fill 0): until the transfer lands every read of it is unwritten. The row
+    holds the pages and the tokens' chain from then on.
+
+    Returns (verdict bits, [n_pages] int64 the pages claimed; empty if the claim failed). The
+    claim is all or nothing: a page not freshly handed out (ALLOCATED), a slot out of place, a
+    page twice, or a row that already holds KV claims nothing (the transfer is then flagged when
+    it lands, and its first read reads unwritten KV)."""
+    ps = page_size
+    n = slots.numel()
+    dev = P.state.device
+    none = torch.empty(0, dtype=_I64, device=dev)
+    slots = slots.to(_I64).to(dev)
+    if n == 0:
+        return 0, none
+    if (
+        not 0 <= row < R.gen.numel()
+        or int(slots.min()) < 0
+        or int(slots.max()) >= P.state.numel() * ps
+    ):
+        return MISPLACED_SLOT, none
+    pos = torch.arange(n, device=dev)
+    pages = torch.div(slots[::ps], ps, rounding_mode="floor")
+    i = torch.arange(pages.numel(), device=dev)
+    kinds = 0
+    lp = torch.div(pos, ps, rounding_mode="floor")
+    placed = (slots % ps == pos % ps) & (torch.div(slots, ps, rounding_mode="floor") == pages[lp])
+    if not bool(placed.all()):
+        kinds |= MISPLACED_SLOT
+    if torch.unique(pages).numel() != pages.numel():
+        kinds |= DOUBLE_ALLOCATION
+    st = P.state[pages].to(_I64)
+    if bool(((st == OWNED) | (st == SHARED) | (st == QUARANTINED)).any()):
+        kinds |= DOUBLE_ALLOCATION  # handed out while someone holds it
+    if bool((st == FREE).any()):
+        kinds |= WRONG_OWNER  # freed again before its transfer was issued
+    if int(R.n_pages[row]) or int(R.chain_len[row]):
+        kinds |= ROW_MISMATCH  # a transfer behind KV the row already holds: not modelled
+    if kinds:
+        return kinds, none
+    chain = seed + torch.cumsum(chain_terms(tokens.to(_I64).to(dev), pos), 0)
+    epochs = epoch0 + i
+    P.prior[pages] = P.state[pages]
+    P.state[pages] = OWNED
+    P.epoch[pages] = epochs
+    P.owner[pages] = row
+    P.owner_gen[pages] = R.gen[row]
+    P.lpage[pages] = i.to(torch.int32)
+    P.fill[pages] = 0
+    P.digest[pages] = 0
+    P.chain[pages] = chain[torch.clamp((i + 1) * ps - 1, max=n - 1)]
+    _push_history(P, pages, Event.CLAIM, step, row)
+    R.n_pages[row] = pages.numel()
+    R.agg[row] = page_tag(epochs, i).sum()
+    R.chain_len[row] = n
+    R.chain_tail[row] = chain[-1]
+    return 0, pages
+
+
+def seal_transfer(
+    P: PageArrays,
+    R: RowArrays,
+    row: int,
+    gen: int,
+    pages: torch.Tensor,
+    epoch0: int,
+    n: int,
+    buffers: Sequence[KvBuffer],
+    page_size: int,
+    step: int,
+    checksums: bool,
+    digests: Callable[..., torch.Tensor] = token_digests_ref,
+) -> tuple[int, torch.Tensor]:
+    """The transfer claimed by ``claim_transfer`` (row ``row`` at generation ``gen``, ``pages``
+    at epochs ``epoch0 + i``, ``n`` tokens) landed. Where every page is still that claim
+    (OWNED by the row at that generation and epoch, in place, unsealed) its tokens are sealed
+    as a forward's writes are: fill, and in checksum modes the digests of the bytes that
+    arrived. Otherwise nothing is sealed (the bytes landed in pages the request no longer holds:
+    freed, handed out again, claimed by another) and the transfer is flagged.
+
+    Returns (verdict bits, [k] int64 the pages whose claim changed)."""
+    ps = page_size
+    dev = P.state.device
+    pages = pages.to(_I64).to(dev)
+    i = torch.arange(pages.numel(), device=dev)
+    ok = (
+        (P.state[pages] == OWNED)
+        & (P.owner[pages].to(_I64) == row)
+        & (P.owner_gen[pages].to(_I64) == gen)
+        & (P.epoch[pages] == epoch0 + i)
+        & (P.lpage[pages].to(_I64) == i)
+        & (P.fill[pages] == 0)
+    )
+    if int(R.gen[row]) != gen:  # the row was handed to another request since
+        ok = torch.zeros_like(ok)
+    if not bool(ok.all()):
+        return STALE_TRANSFER, pages[~ok]
+    fills = torch.clamp(n - i * ps, max=ps)
+    P.fill[pages] = fills.to(torch.int16)
+    if checksums and pages.numel():
+        off = torch.arange(ps, device=dev)
+        sealed = (off[None, :] < fills[:, None]).reshape(-1)
+        slots = (pages[:, None] * ps + off).reshape(-1)[sealed]
+        pos = (i[:, None] * ps + off).reshape(-1)[sealed]
+        d = digests(buffers, slots, pos).to(dev)
+        P.digest[pages] = torch.zeros(pages.numel(), dtype=_I64, device=dev).index_add_(
+            0, torch.div(pos, ps, rounding_mode="floor"), d
+        )
+    _push_history(P, pages, Event.ARRIVE, step, row)
+    return 0, pages[:0]

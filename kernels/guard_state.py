@@ -35,6 +35,7 @@ class Event(IntEnum):
     RECLAIM = 7  # a freed page still validly held: taken back from the free list
     REBIND = 8  # the prefix cache replaced a row's own copy of this page by its own
     SCRUB = 9  # a quarantined page's bytes zeroed and its entry reset: back in service
+    ARRIVE = 10  # a transfer claimed for the page's row landed: its tokens sealed
 
 
 HISTORY = 4  # events kept per page

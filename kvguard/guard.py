@@ -30,11 +30,13 @@ from kvguard.kernels import guard_ref
 from kvguard.kernels.backend import GuardKernels, select
 from kvguard.kernels.guard_ref import StepCheck
 from kvguard.kernels.guard_state import EPOCH_STEP_SHIFT
+from kvguard.kernels.kv_checksum_ref import token_digests_ref
 from kvguard.ledger import PageLedger, PageState
 from kvguard.metrics import GuardMetrics
 from kvguard.ratelimit import RateLimitedLog
 from kvguard.records import RowRecords
 from kvguard.step import ReadSums, StepView
+from kvguard.transfers import TransferClaims
 from kvguard.verdict import Kind, StepVerdict, Violation, forensic_record, new_violation_id
 
 log = structlog.get_logger("kvguard")
@@ -140,6 +142,7 @@ class Guard:
         self.healing = HealPolicy(config, self.metrics)
         self.actions = Actions(self.ledger, self.metrics, engine, self.log, self.healing)
         self.health = GuardHealth(config.quarantine_cap_pages(self.ledger.num_pages))
+        self.transfers = TransferClaims(self.ledger, self.records)
         self.health.listeners.append(self._health_changed)
         self.step = 0
         # A quarantine happened: the engine should drop its prefix cache at its next idle moment
@@ -637,7 +640,45 @@ class Guard:
         """Rows handed to new requests: forget what their previous owners expected."""
         t0 = clock()
         self.records.reset_rows(rows)
+        self.transfers.forget(rows)
         self._account(t0)
+
+    # -- transfers (KV written by another server: prefill/decode disaggregation) -------------------
+    def on_transfer_issued(
+        self, row: int, slots: torch.Tensor, tokens: torch.Tensor, seed: int = 0
+    ) -> int:
+        """A transfer of ``tokens``' KV into row ``row``'s positions [0, n) (its destination
+        ``slots``, as the allocator handed them out) was issued: its pages are claimed for the
+        row now, unsealed until it lands (``kvguard.transfers``). Returns the claim's verdict
+        bits (0: claimed); a failed claim is acted on when the transfer lands."""
+        t0 = clock()
+        try:
+            return self.transfers.issue(row, slots, tokens, seed, self.step)
+        finally:
+            self._account(t0)
+
+    def on_transfer_landed(
+        self, row: int, handle: object, request_id: str | None = None
+    ) -> Violation | None:
+        """The transfer into row ``row`` (request ``handle``) landed: its bytes are sealed if its
+        claim is unchanged; otherwise the request is aborted (it has read nothing yet, and
+        nothing it could be recomputed from is on this server) and the violation returned."""
+        t0 = clock()
+        try:
+            digests = getattr(self.kernels, "token_digests", None) or token_digests_ref
+            kinds, pages = self.transfers.land(
+                row, self.step, self.checker.kv_buffers, self.config.checksums, digests
+            )
+            if not kinds:
+                return None
+            described = self.ledger.describe_many(pages[:8].tolist())
+            violation = Violation(
+                new_violation_id(), Kind(kinds), self.step, request_id, row, described
+            )
+            self.actions.abort([violation], [handle])
+            return violation
+        finally:
+            self._account(t0)
 
     def reset(self) -> None:
         """The engine cleared its pool: every page free, no record, nothing quarantined (the

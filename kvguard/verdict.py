@@ -41,6 +41,9 @@ class Kind(IntFlag):
     PREMATURE_FREE = 1 << 14  # engine event: a page freed while still read (taken back)
     # the bytes attention read differ from those sealed, or were not the request's pages
     READ_MISMATCH = 1 << 15
+    # a transfer (KV from another server) landed in slots whose claim changed since it was
+    # issued (freed, handed out again, claimed by another request)
+    STALE_TRANSFER = 1 << 16
 
     def names(self) -> list[str]:
         return [k.name.lower() for k in Kind if k & self and k.name]
