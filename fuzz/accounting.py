@@ -336,7 +336,16 @@ class Watch:
     def is_open(self, step: int) -> bool:
         if step - self.last_event < SETTLE_STEPS:
             return True
-        return any(r.kv.holds_kv and not r.finished() for r in self._running.values())
+        # a victim sent back to be recomputed holds no KV while it waits for its prefill: the
+        # watch stays open until it sees that restart, which closes its span of wrong-KV tokens
+        return any(
+            not r.finished() and (r.kv.holds_kv or self._span_open(r.rid))
+            for r in self._running.values()
+        )
+
+    def _span_open(self, rid: str) -> bool:
+        spans = self.spans.get(rid)
+        return bool(spans) and spans[-1][1] is None
 
     # before the forward
     def before_forward(self, scan: Scan, pool, step: int) -> bool:

@@ -262,8 +262,22 @@ def around_run_batch(original, sched, batch, *args, **kwargs):
                     _record(st, inj, "victims")
     except Exception as exc:
         st.log({"event": "injector_error", "step": st.step, "error": repr(exc)})
-    del st.active[:-64]
+    _retire(st)
     return out
+
+
+MAX_WATCHED = 64  # injections followed each step, beyond those whose incident is still open
+
+
+def _retire(st: FuzzState) -> None:
+    """Stop following the oldest injections past ``MAX_WATCHED``, but only settled ones: a watch
+    dropped while a victim still waits for its recompute would never see the restart that
+    closes its span of tokens from wrong KV (they would all count as sent)."""
+    old = len(st.active) - MAX_WATCHED
+    if old > 0:
+        st.active[:] = [
+            inj for i, inj in enumerate(st.active) if i >= old or inj.watch.is_open(st.step)
+        ]
 
 
 def _inject(st: FuzzState, sched, batch, injectors):

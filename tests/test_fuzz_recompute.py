@@ -649,3 +649,33 @@ def test_cli_on_violation_reaches_the_guarded_servers(tmp_path, monkeypatch):
         campaign.Runner(s, [])._start(run)
     assert started[0]["KVGUARD_ON_VIOLATION"] == "abort"
     assert "KVGUARD_ON_VIOLATION" not in started[1]  # no guard to tell
+
+
+def test_a_victim_waiting_for_its_recompute_keeps_its_watch_open():
+    """Sent back to be recomputed, a victim holds no KV until its prefill: its incident stays
+    open (so the plugin keeps following it) until the restart closes its span."""
+    w = _World()
+    req = w.req("r", [11, 12, 13, 14], 0, [0, 1, 2, 3])
+    req.kv.kv_committed_len = 4
+    req.output_ids = [5]
+    watch = Watch(PS, 10, {2: Garbage("bit_flip")})
+    w.step(watch, w.decode(req, 4), 10)
+    assert watch.spans == {"r": [[1, None]]}
+    later = 10 + 1000  # long after the incident's last event
+    req.kv.holds_kv = False  # released, waiting in the queue for its prefill
+    assert watch.is_open(later)
+    watch.spans["r"][-1][1] = 1  # the restart closed the span
+    assert not watch.is_open(later)
+
+
+def test_the_plugin_stops_following_only_settled_injections():
+    from kvguard.fuzz import plugin
+
+    def inj(open_):
+        return SimpleNamespace(watch=SimpleNamespace(is_open=lambda step, o=open_: o))
+
+    old_open, old_settled = inj(True), inj(False)
+    recent = [inj(False) for _ in range(plugin.MAX_WATCHED)]
+    st = SimpleNamespace(step=5, active=[old_open, old_settled, *recent])
+    plugin._retire(st)
+    assert st.active == [old_open, *recent]
