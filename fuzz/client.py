@@ -212,6 +212,8 @@ def _top2(pos) -> list[float] | None:
     if not pos or len(pos) < 2:
         return None
     (lp1, id1, *_), (lp2, id2, *_) = pos[0], pos[1]
+    if lp1 is None or lp2 is None:  # NaN logits (KV gone to garbage, guard off) arrive as null
+        return None
     return [round(lp1, 4), id1, round(lp2, 4), id2]
 
 

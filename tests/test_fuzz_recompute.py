@@ -679,3 +679,12 @@ def test_the_plugin_stops_following_only_settled_injections():
     st = SimpleNamespace(step=5, active=[old_open, old_settled, *recent])
     plugin._retire(st)
     assert st.active == [old_open, *recent]
+
+
+def test_a_null_logprob_from_garbage_kv_is_no_client_crash():
+    """With the guard off, KV gone to garbage gives NaN logits, which arrive as null logprobs:
+    the position has no top-2 (so it is never a near tie), and the client goes on."""
+    from kvguard.fuzz.client import _top2
+
+    assert _top2([[None, 7, "a"], [None, 9, "b"]]) is None
+    assert _top2([[-0.12345, 7, "a"], [-1.0, 9, "b"]]) == [-0.1235, 7, -1.0, 9]
