@@ -64,7 +64,7 @@ class SGLangControl:
         if req.finished():
             violation.why_not_healed = "the request had finished"
             return False
-        why_not = _cannot_recompute(req)
+        why_not = _cannot_recompute(req) or _pd_server(self.scheduler)
         if why_not is not None:
             violation.why_not_healed = why_not
             return False
@@ -143,6 +143,16 @@ def release_by_ledger(scheduler, req, release) -> None:
     if left.numel():
         with guard.releasing(row):
             scheduler.token_to_kv_pool_allocator.free_page_ids(left.to(torch.int64))
+
+
+def _pd_server(scheduler) -> str | None:
+    """A prefill or decode server of a pair cannot re-prefill a request: the decode server runs
+    no prefill forward (a request it re-queued would be taken for a transferred one), and the
+    prefill server's KV of the request was promised to a decode server."""
+    mode = getattr(getattr(scheduler, "disaggregation_mode", None), "value", "null")
+    if mode == "null":
+        return None
+    return f"a {mode} server of a prefill/decode pair cannot re-prefill a request"
 
 
 def _cannot_recompute(req) -> str | None:

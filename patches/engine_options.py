@@ -63,6 +63,7 @@ _PRIORITY = "tests/test_engine_options.py::test_priority_preemption_is_guarded"
 _BUDGET = "tests/test_pool_adapter.py::test_guard_share_of_the_budget"
 _POOL = "tests/test_pool_adapter.py::test_unmodelled_pools_are_refused_in_one_line"
 _PASSES = "tests/test_engine_options.py::test_neutral_options_reach_sglang"
+_PD_PAIR = "tests/test_pd_guard.py::test_guarded_pair_serves_a_single_server_s_outputs"
 
 # -- reasons shared by a feature's settings ------------------------------------------------------
 _HICACHE = (
@@ -78,8 +79,8 @@ _HISPARSE = (
     "swapped into a device buffer every step)"
 )
 _PD = (
-    "kvguard does not guard PD disaggregation (KV transferred between prefill and decode "
-    "servers outside the checked forward; refused until it is modelled)"
+    "kvguard does not guard this PD disaggregation setting (only mooncake transfers into the "
+    "decode server's own pool, allocated early, are modelled)"
 )
 _PP = (
     "kvguard does not guard pipeline parallelism (each stage holds its layers' KV, "
@@ -136,6 +137,18 @@ OPTIONS: list[Row] = [
         "a mixed batch is an extend step whose decode requests extend by one token", _OPTION),
     Row("enable_priority_scheduling", "--enable-priority-scheduling", ANY, GUARDED,
         "a preempted request's KV is released through release_kv_cache (hooked)", _PRIORITY),
+    Row("disaggregation_mode", "--disaggregation-mode", one_of("prefill", "decode"), GUARDED,
+        "prefill: its forwards are checked as a single server's, its KV sent before its pages "
+        "are released; decode: a transfer's slots are claimed for its request when allocated "
+        "and sealed when it lands if the claim is unchanged (else the request is aborted), so "
+        "KV neither a forward nor a landed transfer wrote is flagged at its first read; a "
+        "flagged request is aborted, not recomputed (docs/pd.md)", _PD_PAIR),
+    Row("disaggregation_decode_retraction_backup", "--disaggregation-decode-retraction-backup",
+        SET, GUARDED,
+        "where a retracted decode request's KV waits (kvguard-serve: cpu_tensor on CPU); its "
+        "restore is not a checked writer yet: the restored pages are claimed, never sealed, so "
+        "their first read is flagged and the request aborted, never served unchecked",
+        _PD_PAIR),
     # ---- neutral: the option changes no KV path the guard checks -----------------------------
     Row("max_total_tokens", "--max-total-tokens", ANY, NEUTRAL, _SIZE, _BUDGET),
     Row("mem_fraction_static", "--mem-fraction-static", ANY, NEUTRAL, _SIZE, _BUDGET),
@@ -291,7 +304,6 @@ OPTIONS: list[Row] = [
     Row("qsa_indexer_dtype", "--qsa-indexer-dtype", changed("auto"), REFUSED,
         "kvguard does not guard the compressed QSA indexer cache stored beside KV"),
     *_family(REFUSED, _PD,
-        ("disaggregation_mode", "--disaggregation-mode", changed("null")),
         ("disaggregation_transfer_backend", "--disaggregation-transfer-backend",
          changed("mooncake")),
         ("disaggregation_ib_device", "--disaggregation-ib-device", SET),
@@ -299,8 +311,6 @@ OPTIONS: list[Row] = [
          ON),
         ("disaggregation_decode_enable_offload_kvcache",
          "--disaggregation-decode-enable-offload-kvcache", ON),
-        ("disaggregation_decode_retraction_backup", "--disaggregation-decode-retraction-backup",
-         SET),
         ("disaggregation_decode_extra_slots", "--disaggregation-decode-extra-slots", SET),
         ("disaggregation_decode_host_receive_threshold",
          "--disaggregation-decode-host-receive-threshold", changed(1.0)),

@@ -17,6 +17,7 @@ from kvguard.patches.targets import (
     HTTP_TARGETS,
     MLA_TARGETS,
     PD_CPU_TARGETS,
+    PD_GUARD_TARGETS,
     QUANT_TARGETS,
     READ_TARGETS,
     TP_TARGETS,
@@ -33,7 +34,8 @@ def load() -> None:
     config = GuardConfig.from_env()  # an invalid setting fails loudly here, at start-up
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
-    rows = (GUARD_TARGETS if config.enabled else []) + QUANT_TARGETS  # features: any guard mode
+    # the guard (and, on a prefill/decode pair, its transfer hooks); features: any guard mode
+    rows = (GUARD_TARGETS + PD_GUARD_TARGETS if config.enabled else []) + QUANT_TARGETS
     rows += READ_TARGETS  # torch_native's KV read: FP8 dequantization, the guard's verified reads
     if config.enabled and multiprocessing.parent_process() is None:
         rows += HTTP_TARGETS  # the process that serves HTTP (its schedulers are its children)

@@ -366,6 +366,30 @@ PD_CPU_TARGETS = [
 # MLA models (DeepSeek-V2/V3 architecture: Kimi K2, ...) on CPU with torch_native attention.
 # Registered whatever the guard mode: serving features. Each hook changes only the torch_native
 # backend / the CPU rope factory, and calls SGLang's code unchanged otherwise.
+# The guard on a prefill/decode pair (pd_guard.py): on the decode server a KV transfer is a
+# writer the guard checks, claimed when issued and sealed when it lands. Registered with the guard.
+_DECODE = "sglang.srt.disaggregation.decode"
+PD_GUARD_TARGETS = [
+    (
+        f"{_DECODE}.DecodeReqToTokenPool.alloc",
+        "AROUND",
+        "pd_guard.around_decode_rows_alloc",
+        "the decode server's page-table rows handed to new requests (its pool has no alloc_rows)",
+    ),
+    (
+        f"{_DECODE}.DecodePreallocQueue._pre_alloc",
+        "AFTER",
+        "pd_guard.after_pre_alloc",
+        "a transfer's destination slots are allocated: claimed for the request, unsealed",
+    ),
+    (
+        f"{_DECODE}.DecodeTransferQueue._commit_transfer_to_req",
+        "AROUND",
+        "pd_guard.around_commit_transfer",
+        "the transfer landed on every rank: sealed if its claim is unchanged, else the request is aborted",
+    ),
+]
+
 MLA_TARGETS = [
     (
         "sglang.srt.models.deepseek_common.attention_backend_handler.AttentionBackendRegistry.get_handler",
@@ -681,6 +705,15 @@ SGLANG_NAMES = [
     # -- options the guard cannot check (engine_options.py; its table's fields and flags are
     # -- resolved against ServerArgs and SGLang's parser by tests/test_engine_options.py) -------
     ("sglang.srt.managers.scheduler.Scheduler.__init__.server_args", "parameter", "engine_options", "the options a scheduler starts with"),
+    # -- the guard on a prefill/decode pair (pd_guard.py, control.py) -----------------------------
+    ("sglang.srt.disaggregation.decode.DecodeRequest.req", "attribute", "pd_guard", "the request a transfer is for"),
+    ("sglang.srt.disaggregation.utils._is_fake_transfer", "callable", "pd_guard", "a fake transfer moves no KV"),
+    (f"{_REQ}.origin_input_ids", "attribute", "pd_guard", "the prompt whose KV is transferred"),
+    (f"{_REQ}.output_ids", "attribute", "pd_guard", "tokens produced before a transfer (a resumed request)"),
+    (f"{_REQ}.bootstrap_room", "attribute", "pd_guard", "the transfer's room (the test switch)"),
+    (f"{_REQ}.finished_reason", "attribute", "pd_guard", "a request SGLang aborted at commit"),
+    (f"{_REQ_KV}.kv_committed_len", "attribute", "pd_guard", "positions the transfer fills"),
+    (f"{_SCHED}.disaggregation_mode", "attribute", "control", "a PD server cannot re-prefill a request"),
     ("sglang.srt.server_args.ServerArgs", "callable", "engine_options", "their raw input: the fields OPTIONS names"),
     # -- compressed-tensors W4A16 on CPU (int4_cpu_moe.py) --------------------------------------
     (f"{_CT}.schemes.compressed_tensors_wNa16_moe.CompressedTensorsWNA16MoE", "callable", "int4_cpu_moe", "the experts' scheme"),

@@ -3,8 +3,8 @@ in front of a ``kvguard-serve --disaggregation-mode prefill`` and a ``--disaggre
 decode`` server (docs/pd.md). The servers are :class:`kvguard.serve.child.ServeProcess`; this
 module adds their PD arguments and the router process.
 
-The guard does not check a PD deployment yet (``kvguard.patches.engine_options`` refuses
-``--disaggregation-mode``): :func:`pd_server_args` starts each server with ``--kvguard-mode off``.
+:func:`pd_server_args` starts each server guarded, in kvguard-serve's default mode unless given
+another (docs/pd.md: what the guard checks on each side of a pair).
 """
 
 from __future__ import annotations
@@ -24,11 +24,14 @@ from kvguard.serve.child import ServerDied, clean_env, free_port
 ROUTER_START_TIMEOUT_S = 180
 
 
-def pd_server_args(mode: str, bootstrap_port: int | None = None) -> list[str]:
+def pd_server_args(
+    mode: str, bootstrap_port: int | None = None, kvguard_mode: str | None = None
+) -> list[str]:
     """``kvguard-serve`` arguments of a prefill (``bootstrap_port``: where decode servers fetch
-    its KV from) or a decode server, guard off. The transfer backend is SGLang's default,
-    mooncake."""
-    args = ["--kvguard-mode", "off", "--disaggregation-mode", mode]
+    its KV from) or a decode server, in guard mode ``kvguard_mode`` (None: kvguard-serve's
+    default, ``verified``). The transfer backend is SGLang's default, mooncake."""
+    args = [] if kvguard_mode is None else ["--kvguard-mode", kvguard_mode]
+    args += ["--disaggregation-mode", mode]
     if mode == "prefill":
         assert bootstrap_port is not None, "a prefill server needs its bootstrap port"
         args += ["--disaggregation-bootstrap-port", str(bootstrap_port)]

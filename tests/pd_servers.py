@@ -1,0 +1,105 @@
+"""A prefill/decode pair for the engine tests (test_pd_pair.py: guard off; test_pd_guard.py: guard
+on): ``kvguard-serve --disaggregation-mode prefill`` and ``decode`` on the embedded default model,
+SGLang's router in front, and a single server with the same arguments as the reference."""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import requests
+
+from kvguard.serve.child import ServeProcess, free_port
+from kvguard.serve.pd import RouterProcess, pd_server_args
+
+MAX_NEW_TOKENS = 24
+START_TIMEOUT_S = (
+    600  # three servers load side by side: ~90 s on 2 idle cores, far more on busy ones
+)
+SERVER_ARGS = ["--max-total-tokens", "2048"]
+_LONG = (
+    "The guard keeps a ledger of every page of the key-value cache: which request owns it, at "
+    "which epoch, which positions it holds and the digest of the bytes written there. When a "
+    "page is freed, reused, shared through the prefix cache or moved between servers, the "
+    "ledger follows it, and a reader that finds a page it does not own, or bytes that do not "
+    "match what was sealed, is stopped before a single token computed from them reaches the "
+    "client. This is the long prompt of the test, several sentences of plain prose so that it "
+    "spans well over a hundred tokens of the embedded model's vocabulary."
+)
+PROMPTS = [
+    "Hello there",
+    "A prefill server and a decode server share one request:",
+    _LONG,
+    _LONG + " Now answer briefly: what does the ledger follow?",
+]
+
+
+class PDPair:
+    """Prefill, decode and router in guard mode ``kvguard_mode`` (None: kvguard-serve's default),
+    plus a single server with the same arguments, guard off (the reference). ``decode_env``:
+    added to the decode server's environment."""
+
+    def __init__(
+        self, root: Path, kvguard_mode: str | None, decode_env: dict[str, str] | None = None
+    ):
+        self.bootstrap_port = free_port()
+        self.prefill = ServeProcess(
+            pd_server_args("prefill", self.bootstrap_port, kvguard_mode) + SERVER_ARGS,
+            root / "prefill.log",
+        )
+        self.decode = ServeProcess(
+            pd_server_args("decode", None, kvguard_mode) + SERVER_ARGS,
+            root / "decode.log",
+            decode_env,
+        )
+        self.single = ServeProcess(["--kvguard-mode", "off", *SERVER_ARGS], root / "single.log")
+        self.router = RouterProcess(
+            self.prefill.url, self.bootstrap_port, self.decode.url, root / "router.log"
+        )
+        self.servers = (self.prefill, self.decode, self.single)
+
+    def start(self) -> None:
+        with ThreadPoolExecutor(len(self.servers)) as pool:  # the three load side by side
+            for started in [pool.submit(s.start, START_TIMEOUT_S) for s in self.servers]:
+                started.result()
+        self.router.start()
+
+    def stop(self) -> None:
+        self.router.stop()
+        with ThreadPoolExecutor(len(self.servers)) as pool:
+            list(pool.map(lambda s: s.stop(), self.servers))
+
+
+def generate(url: str, prompt: str, **fields: object) -> dict:
+    """A greedy completion of ``prompt`` (``fields``: more of the request's JSON body)."""
+    body = {
+        "text": prompt,
+        "sampling_params": {"temperature": 0, "max_new_tokens": MAX_NEW_TOKENS},
+        **fields,
+    }
+    r = requests.post(f"{url}/generate", json=body, timeout=120)
+    assert r.status_code == 200, r.text[:500]
+    out: dict = r.json()
+    return out
+
+
+def assert_pair_serves_the_single_server_s_outputs(pair: PDPair) -> None:
+    """Greedy outputs through the router equal the single server's, for PROMPTS sent one by one
+    and batched together (the last shares the third's prefix: the prefill's prefix cache)."""
+    for server, mode in ((pair.prefill, "prefill"), (pair.decode, "decode")):
+        info = requests.get(f"{server.url}/server_info", timeout=30).json()
+        assert info["disaggregation_mode"] == mode
+
+    expected = [generate(pair.single.url, p) for p in PROMPTS]
+    lengths = [e["meta_info"]["prompt_tokens"] for e in expected]
+    assert min(lengths) < 10 and max(lengths) > 120, lengths  # short to long prompts
+
+    one_by_one = [generate(pair.router.url, p) for p in PROMPTS]
+    with ThreadPoolExecutor(len(PROMPTS)) as pool:  # the same prompts batched together
+        together = list(pool.map(lambda p: generate(pair.router.url, p), PROMPTS))
+
+    for name, got in (("one by one", one_by_one), ("together", together)):
+        for prompt, want, out in zip(PROMPTS, expected, got):
+            assert len(out["output_ids"]) == MAX_NEW_TOKENS, (name, prompt[:30])
+            assert out["output_ids"] == want["output_ids"], (name, prompt[:30])
+    assert pair.prefill.running() and pair.decode.running()

@@ -1,0 +1,124 @@
+"""The guard on both servers of a prefill/decode pair (docs/pd.md, "Guarding the pair"), in the
+default mode (verified): greedy outputs through the pair equal a single server's and nothing is
+flagged; on the decode server a transfer is a writer the guard checks, so a byte of transferred KV
+changed after it landed and before its first read is caught, for that request only.
+
+The decode server runs with kvguard's test switch ``KVGUARD_TEST_PD_FLIP_ROOM`` (patches/pd_guard.py):
+one byte of the request with that bootstrap room is flipped right after its transfer landed and
+was sealed. That request is routed by hand (the room is the client's); the router's requests pick
+random rooms and are never touched.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import requests
+from pd_servers import (
+    MAX_NEW_TOKENS,
+    PROMPTS,
+    PDPair,
+    assert_pair_serves_the_single_server_s_outputs,
+    generate,
+)
+
+from kvguard.serve.child import ServerDied
+
+FLIP_ROOM = 4_242_424_242
+
+
+@pytest.fixture(scope="module")
+def guarded_pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PDPair]:
+    pair = PDPair(
+        tmp_path_factory.mktemp("pd-guard"),
+        kvguard_mode=None,  # kvguard-serve's default: verified
+        decode_env={"KVGUARD_TEST_PD_FLIP_ROOM": str(FLIP_ROOM)},
+    )
+    try:
+        pair.start()
+    except ServerDied as exc:
+        pair.stop()
+        pytest.fail(str(exc))
+    yield pair
+    pair.stop()
+
+
+def _violations(pair: PDPair) -> tuple[float, float]:
+    return tuple(  # type: ignore[return-value]
+        s.metric_totals().get("kvguard_violations_total", 0.0) for s in (pair.prefill, pair.decode)
+    )
+
+
+def _guard_reports(url: str) -> list[dict]:
+    info = requests.get(f"{url}/server_info", timeout=30).json()
+    reports = info.get("kvguard")
+    assert reports, f"{url}: no kvguard report in /server_info"
+    return reports if isinstance(reports, list) else [reports]
+
+
+@pytest.mark.engine
+def test_guarded_pair_serves_a_single_server_s_outputs(guarded_pair: PDPair) -> None:
+    pair = guarded_pair
+    for server in (pair.prefill, pair.decode):
+        assert all(r["mode"] == "verified" for r in _guard_reports(server.url))
+    before = _violations(pair)
+    assert_pair_serves_the_single_server_s_outputs(pair)
+    for server in (pair.prefill, pair.decode):
+        server.wait_idle()
+    assert _violations(pair) == before, "a clean run through the guarded pair was flagged"
+    for server in (pair.prefill, pair.decode):
+        totals = server.metric_totals()
+        assert totals.get("kvguard_steps_checked_total", 0) > 0, server.url
+        assert totals.get("kvguard_unchecked_forwards_total", 0) == 0, server.url
+        assert totals.get("kvguard_internal_errors_total", 0) == 0, server.url
+
+
+def _by_hand(pair: PDPair, prompt: str, room: int) -> requests.Response:
+    """Route one request by hand (docs/pd.md): the same body, with the bootstrap fields, posted
+    to both servers at once; the decode server's answer is the completion."""
+    body = {
+        "text": prompt,
+        "sampling_params": {"temperature": 0, "max_new_tokens": MAX_NEW_TOKENS},
+        "bootstrap_host": "127.0.0.1",
+        "bootstrap_port": pair.bootstrap_port,
+        "bootstrap_room": room,
+    }
+    with ThreadPoolExecutor(2) as pool:
+        pre = pool.submit(requests.post, f"{pair.prefill.url}/generate", json=body, timeout=180)
+        dec = pool.submit(requests.post, f"{pair.decode.url}/generate", json=body, timeout=180)
+        pre.result()
+        return dec.result()
+
+
+@pytest.mark.engine
+def test_transferred_kv_changed_before_its_first_read_flags_only_its_request(
+    guarded_pair: PDPair,
+) -> None:
+    pair = guarded_pair
+    clean_prompt = PROMPTS[1]
+    expected = generate(pair.single.url, clean_prompt)
+    before = pair.decode.metric_totals()
+    prefill_before = _violations(pair)[0]
+    with ThreadPoolExecutor(2) as pool:
+        clean = pool.submit(generate, pair.router.url, clean_prompt)
+        flipped = _by_hand(pair, PROMPTS[2], FLIP_ROOM)
+        clean_out = clean.result()
+    assert "KV cache integrity violation" in flipped.text, (flipped.status_code, flipped.text[:500])
+    assert flipped.status_code != 200
+    assert clean_out["output_ids"] == expected["output_ids"]
+    pair.decode.wait_idle()
+    after = pair.decode.metric_totals()
+    assert after["kvguard_violations_total"] - before.get("kvguard_violations_total", 0) >= 1
+    assert after["kvguard_requests_aborted_total"] - before.get(
+        "kvguard_requests_aborted_total", 0
+    ) == 1  # fmt: skip
+    assert _violations(pair)[0] == prefill_before  # the prefill sent intact KV
+    assert "kvguard_test_flip" in pair.decode.log_tail(200_000)
+    # both servers go on serving, guarded
+    assert (
+        generate(pair.router.url, PROMPTS[0])["output_ids"]
+        == (generate(pair.single.url, PROMPTS[0])["output_ids"])
+    )
+    assert pair.prefill.running() and pair.decode.running()
