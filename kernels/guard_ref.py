@@ -75,6 +75,7 @@ CHECKSUM_MISMATCH = 1 << 8
 QUARANTINED_PAGE = 1 << 9
 ROW_MISMATCH = 1 << 12
 STALE_TRANSFER = 1 << 16
+TRANSFER_MISMATCH = 1 << 17
 
 FREE, OWNED, SHARED, QUARANTINED, ALLOCATED = (int(s) for s in PageState)
 
@@ -792,3 +793,44 @@ def seal_transfer(
         )
     _push_history(P, pages, Event.ARRIVE, step, row)
     return 0, pages[:0]
+
+
+def range_digest(
+    P: PageArrays,
+    slots: torch.Tensor,
+    buffers: Sequence[KvBuffer],
+    page_size: int,
+    sealed: bool,
+    digests: Callable[..., torch.Tensor] = token_digests_ref,
+) -> int | None:
+    """The hand-off seal of a request's positions [0, n), held in ``slots`` [n] (in position
+    order): the wrapping sum of their token digests. A token digest is keyed by position, not
+    slot, so the same bytes at the same positions give the same seal on any server.
+
+    ``sealed``: the sum of the ledger's page digests (checksum modes), i.e. of the bytes as they
+    were when written, not as they are now; None where those pages do not hold exactly
+    positions [0, n), in place and sealed (the ledger cannot vouch for them). Otherwise the
+    bytes in the slots are hashed now."""
+    ps, dev = page_size, P.state.device
+    n = slots.numel()
+    if n == 0:
+        return 0
+    slots = slots.to(_I64).to(dev)
+    if int(slots.min()) < 0 or int(slots.max()) >= P.state.numel() * ps:
+        return None
+    pos = torch.arange(n, device=dev)
+    if not sealed:
+        return int(digests(buffers, slots, pos).to(_I64).sum())
+    pages = torch.div(slots[::ps], ps, rounding_mode="floor")
+    lp = torch.div(pos, ps, rounding_mode="floor")
+    i = torch.arange(pages.numel(), device=dev)
+    fills = torch.clamp(n - i * ps, max=ps)
+    held = P.state[pages].to(_I64)
+    ok = (
+        bool((slots == pages[lp] * ps + pos % ps).all())
+        and torch.unique(pages).numel() == pages.numel()
+        and bool((P.lpage[pages].to(_I64) == i).all())
+        and bool((P.fill[pages].to(_I64) == fills).all())
+        and bool(((held == OWNED) | (held == SHARED)).all())
+    )
+    return int(P.digest[pages].sum()) if ok else None

@@ -657,17 +657,43 @@ class Guard:
         finally:
             self._account(t0)
 
+    def on_transfer_sent(self, slots: torch.Tensor) -> int | None:
+        """A transfer of a request's positions [0, n) from ``slots`` [n] is being sent: the
+        sender's seal, which travels with it (``kvguard.transfers``); None where this server's
+        ledger cannot vouch for those positions."""
+        t0 = clock()
+        try:
+            digests = getattr(self.kernels, "token_digests", None) or token_digests_ref
+            return self.transfers.send_seal(
+                slots, self.checker.kv_buffers, self.config.checksums, digests
+            )
+        finally:
+            self._account(t0)
+
     def on_transfer_landed(
-        self, row: int, handle: object, request_id: str | None = None
+        self,
+        row: int,
+        handle: object,
+        request_id: str | None = None,
+        sent_seal: int | None = None,
+        sent_tokens: int | None = None,
     ) -> Violation | None:
         """The transfer into row ``row`` (request ``handle``) landed: its bytes are sealed if its
-        claim is unchanged; otherwise the request is aborted (it has read nothing yet, and
-        nothing it could be recomputed from is on this server) and the violation returned."""
+        claim is unchanged and, where the sender's seal came with it (``TransferClaims.land``),
+        they match it; otherwise
+        the request is aborted (it has read nothing yet, and nothing it could be recomputed from
+        is on this server) and the violation returned."""
         t0 = clock()
         try:
             digests = getattr(self.kernels, "token_digests", None) or token_digests_ref
             kinds, pages = self.transfers.land(
-                row, self.step, self.checker.kv_buffers, self.config.checksums, digests
+                row,
+                self.step,
+                self.checker.kv_buffers,
+                self.config.checksums,
+                digests,
+                sent_seal,
+                sent_tokens,
             )
             if not kinds:
                 return None

@@ -9,10 +9,18 @@ a read of unwritten KV; a landing into pages whose claim changed meanwhile (free
 again, claimed by another request, the row handed to another request) seals nothing and is
 flagged (``STALE_TRANSFER``). The arithmetic is ``kernels.guard_ref.claim_transfer`` and
 ``seal_transfer``.
+
+The sender seals what it sends (``TransferClaims.send_seal``: the wrapping sum of the token
+digests of the transferred positions, from the sender's ledger where it keeps digests); the seal
+travels with the request, and the receiver compares it with the bytes that landed, once, as it
+seals them (``land``'s ``sent_seal``): bytes changed in flight, taken from the wrong pages or sent
+for another request are ``TRANSFER_MISMATCH``. Seals are compared only between servers of one
+layout (``layout_signature``): the same buffers, rows of the same width, the same TP shard.
 """
 
 from __future__ import annotations
 
+import zlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -20,7 +28,7 @@ import torch
 
 from kvguard.kernels import guard_ref
 from kvguard.kernels.guard_state import EPOCH_STEP_SHIFT
-from kvguard.kernels.kv_checksum_ref import KvBuffer
+from kvguard.kernels.kv_checksum_ref import KvBuffer, row_words
 from kvguard.ledger import PageLedger
 from kvguard.records import RowRecords
 
@@ -90,8 +98,12 @@ class TransferClaims:
         buffers: Sequence[KvBuffer],
         checksums: bool,
         digests: Callable[..., torch.Tensor],
+        sent_seal: int | None = None,
+        sent_tokens: int | None = None,
     ) -> tuple[int, torch.Tensor]:
-        """The transfer into row ``row`` landed: seal it if its claim is unchanged. Returns
+        """The transfer into row ``row`` landed: seal it if its claim is unchanged, and where the
+        sender's seal came with it (``sent_tokens``: how many positions it covers; ``sent_seal``
+        None: the sender could not vouch for them) compare the landed bytes with it. Returns
         (verdict bits, pages to name in a violation). A row with no claim issued (the guard
         failed when it was) fails closed."""
         claim = self._by_row.pop(row, None)
@@ -100,7 +112,7 @@ class TransferClaims:
             return int(guard_ref.STALE_TRANSFER), none
         if claim.kinds:
             return claim.kinds, none
-        return guard_ref.seal_transfer(
+        kinds, pages = guard_ref.seal_transfer(
             self.ledger.pages,
             self.records.rows,
             row,
@@ -114,9 +126,43 @@ class TransferClaims:
             checksums,
             digests,
         )
+        if kinds or sent_tokens is None:
+            return kinds, pages
+        if sent_seal is None or sent_tokens != claim.num_tokens:  # unvouched, or truncated
+            return int(guard_ref.TRANSFER_MISMATCH), claim.pages
+        ps = self.ledger.page_size
+        off = torch.arange(ps, device=claim.pages.device)
+        slots = (claim.pages[:, None] * ps + off).reshape(-1)[: claim.num_tokens]
+        # checksum modes sealed the landed bytes' digests just now: their sum is the landed seal
+        landed = guard_ref.range_digest(self.ledger.pages, slots, buffers, ps, checksums, digests)
+        if landed != sent_seal:
+            return int(guard_ref.TRANSFER_MISMATCH), claim.pages
+        return 0, pages
+
+    def send_seal(
+        self,
+        slots: torch.Tensor,
+        buffers: Sequence[KvBuffer],
+        checksums: bool,
+        digests: Callable[..., torch.Tensor],
+    ) -> int | None:
+        """The sender's seal of the positions [0, n) it sends from ``slots`` [n]: in checksum
+        modes the ledger's digests of the bytes as they were written (None where the ledger does
+        not hold exactly those positions sealed: nothing to vouch with), else the bytes now."""
+        return guard_ref.range_digest(
+            self.ledger.pages, slots, buffers, self.ledger.page_size, checksums, digests
+        )
 
     def forget(self, rows: torch.Tensor) -> None:
         """Rows handed to new requests: the claims of their previous requests are dropped."""
         if self._by_row:
             for r in rows.tolist():
                 self._by_row.pop(int(r), None)
+
+
+def layout_signature(buffers: Sequence[KvBuffer], *shape: int) -> int:
+    """A 31-bit word naming the layout a seal was taken under: each guarded buffer's row width in
+    words and element type, and ``shape`` (page size, TP rank and size). Two servers compare
+    seals only when their words agree: other layouts hash other bytes for the same KV."""
+    rows = [(int(row_words(b).shape[-1]), str(getattr(b, "dtype", "page-major"))) for b in buffers]
+    return zlib.crc32(repr((rows, shape)).encode()) & 0x7FFFFFFF

@@ -44,6 +44,9 @@ class Kind(IntFlag):
     # a transfer (KV from another server) landed in slots whose claim changed since it was
     # issued (freed, handed out again, claimed by another request)
     STALE_TRANSFER = 1 << 16
+    # a transfer's bytes, as they landed, differ from the sender's seal (changed in flight, sent
+    # from the wrong pages or for another request, truncated)
+    TRANSFER_MISMATCH = 1 << 17
 
     def names(self) -> list[str]:
         return [k.name.lower() for k in Kind if k & self and k.name]

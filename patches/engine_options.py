@@ -139,10 +139,11 @@ OPTIONS: list[Row] = [
         "a preempted request's KV is released through release_kv_cache (hooked)", _PRIORITY),
     Row("disaggregation_mode", "--disaggregation-mode", one_of("prefill", "decode"), GUARDED,
         "prefill: its forwards are checked as a single server's, its KV sent before its pages "
-        "are released; decode: a transfer's slots are claimed for its request when allocated "
-        "and sealed when it lands if the claim is unchanged (else the request is aborted), so "
-        "KV neither a forward nor a landed transfer wrote is flagged at its first read; a "
-        "flagged request is aborted, not recomputed (docs/pd.md)", _PD_PAIR),
+        "are released, with its seal of what it sent; decode: a transfer's slots are claimed "
+        "for its request when allocated and sealed when it lands if the claim is unchanged and "
+        "the bytes match the prefill's seal (else the request is aborted), so KV neither a "
+        "forward nor a landed transfer wrote is flagged at its first read; a flagged request "
+        "is aborted, not recomputed (docs/pd.md)", _PD_PAIR),
     Row("disaggregation_decode_retraction_backup", "--disaggregation-decode-retraction-backup",
         SET, GUARDED,
         "where a retracted decode request's KV waits (kvguard-serve: cpu_tensor on CPU); its "

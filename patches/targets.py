@@ -371,6 +371,13 @@ PD_CPU_TARGETS = [
 _DECODE = "sglang.srt.disaggregation.decode"
 PD_GUARD_TARGETS = [
     (
+        "sglang.srt.disaggregation.utils.MetadataBuffers.set_buf",
+        "AFTER",
+        "pd_guard.after_set_buf",
+        "prefill: the request's first-token metadata row, sent after its KV, carries the sender's "
+        "seal of the transferred positions in cached_tokens' spare words 7-11",
+    ),
+    (
         f"{_DECODE}.DecodeReqToTokenPool.alloc",
         "AROUND",
         "pd_guard.around_decode_rows_alloc",

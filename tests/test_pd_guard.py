@@ -5,8 +5,10 @@ changed after it landed and before its first read is caught, for that request on
 
 The decode server runs with kvguard's test switch ``KVGUARD_TEST_PD_FLIP_ROOM`` (patches/pd_guard.py):
 one byte of the request with that bootstrap room is flipped right after its transfer landed and
-was sealed. That request is routed by hand (the room is the client's); the router's requests pick
-random rooms and are never touched.
+was sealed. ``KVGUARD_TEST_PD_FLIP_IN_FLIGHT_ROOM`` flips one before the seal, as bytes changed in
+flight land: the decode server's seal of them then differs from the prefill's seal, which came in
+the request's metadata row. Those requests are routed by hand (the room is the client's); the
+router's requests pick random rooms and are never touched.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from pd_servers import (
 from kvguard.serve.child import ServerDied
 
 FLIP_ROOM = 4_242_424_242
+FLIP_IN_FLIGHT_ROOM = 4_242_424_243
 
 
 @pytest.fixture(scope="module")
@@ -34,7 +37,10 @@ def guarded_pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PDPair]:
     pair = PDPair(
         tmp_path_factory.mktemp("pd-guard"),
         kvguard_mode=None,  # kvguard-serve's default: verified
-        decode_env={"KVGUARD_TEST_PD_FLIP_ROOM": str(FLIP_ROOM)},
+        decode_env={
+            "KVGUARD_TEST_PD_FLIP_ROOM": str(FLIP_ROOM),
+            "KVGUARD_TEST_PD_FLIP_IN_FLIGHT_ROOM": str(FLIP_IN_FLIGHT_ROOM),
+        },
     )
     try:
         pair.start()
@@ -93,9 +99,14 @@ def _by_hand(pair: PDPair, prompt: str, room: int) -> requests.Response:
 
 
 @pytest.mark.engine
+@pytest.mark.parametrize(
+    ("room", "kind"), [(FLIP_ROOM, "read_mismatch"), (FLIP_IN_FLIGHT_ROOM, "transfer_mismatch")]
+)
 def test_transferred_kv_changed_before_its_first_read_flags_only_its_request(
-    guarded_pair: PDPair,
+    guarded_pair: PDPair, room: int, kind: str
 ) -> None:
+    """After it landed (caught at its first read, by the decode server's own seal) or in flight
+    (caught as it lands, against the prefill's seal)."""
     pair = guarded_pair
     clean_prompt = PROMPTS[1]
     expected = generate(pair.single.url, clean_prompt)
@@ -103,7 +114,7 @@ def test_transferred_kv_changed_before_its_first_read_flags_only_its_request(
     prefill_before = _violations(pair)[0]
     with ThreadPoolExecutor(2) as pool:
         clean = pool.submit(generate, pair.router.url, clean_prompt)
-        flipped = _by_hand(pair, PROMPTS[2], FLIP_ROOM)
+        flipped = _by_hand(pair, PROMPTS[2], room)
         clean_out = clean.result()
     assert "KV cache integrity violation" in flipped.text, (flipped.status_code, flipped.text[:500])
     assert flipped.status_code != 200
@@ -115,7 +126,9 @@ def test_transferred_kv_changed_before_its_first_read_flags_only_its_request(
         "kvguard_requests_aborted_total", 0
     ) == 1  # fmt: skip
     assert _violations(pair)[0] == prefill_before  # the prefill sent intact KV
-    assert "kvguard_test_flip" in pair.decode.log_tail(200_000)
+    log = pair.decode.log_tail(200_000)
+    assert "kvguard_test_flip" in log and kind in log
+    assert "kvguard_transfer_unsealed" not in log  # every transfer came with the prefill's seal
     # both servers go on serving, guarded
     assert (
         generate(pair.router.url, PROMPTS[0])["output_ids"]

@@ -1,6 +1,7 @@
 """patches/pd_guard.py's hooks on SGLang's decode path, driven with stand-ins for SGLang's request
 objects and a synthetic pool's guard (no engine): the pre-allocation claims the transfer's slots,
-the commit seals them or aborts the request, the test switch flips a landed byte."""
+the commit seals them or aborts the request, the test switch flips a landed byte; the prefill's
+metadata row carries its seal, which the commit compares with what landed."""
 
 from __future__ import annotations
 
@@ -22,9 +23,17 @@ def pool(monkeypatch: pytest.MonkeyPatch) -> SyntheticPool:
     p = SyntheticPool(page_size=PS, num_pages=64, mode="verified", max_len=256)
     monkeypatch.setattr(state, "guard", p.guard)
     monkeypatch.setattr(
-        state, "scheduler", SimpleNamespace(req_to_token_pool=SimpleNamespace(req_to_token=p.table))
+        state,
+        "scheduler",
+        SimpleNamespace(
+            req_to_token_pool=SimpleNamespace(req_to_token=p.table),
+            token_to_kv_pool_allocator=SimpleNamespace(page_size=PS),
+            tp_rank=0,
+            tp_size=1,
+        ),
     )
     monkeypatch.delenv(pd_guard.FLIP_ROOM, raising=False)
+    monkeypatch.delenv(pd_guard.FLIP_IN_FLIGHT_ROOM, raising=False)
     return p
 
 
@@ -50,8 +59,39 @@ def _prealloc(pool: SyntheticPool, n: int, room: int = 7) -> tuple[SimpleNamespa
     return req, slots
 
 
-def _commit(req: SimpleNamespace) -> None:
-    pd_guard.around_commit_transfer(lambda queue, decode_req: None, None, SimpleNamespace(req=req))
+def _metadata(words: torch.Tensor | None = None) -> SimpleNamespace:
+    """SGLang's MetadataBuffers as the hooks read them: one request's cached_tokens row."""
+    row = torch.zeros(1, 16, dtype=torch.int32) if words is None else words.reshape(1, 16)
+    return SimpleNamespace(cached_tokens=row)
+
+
+def _commit(req: SimpleNamespace, words: torch.Tensor | None = None) -> None:
+    queue = SimpleNamespace(metadata_buffers=_metadata(words))
+    decode_req = SimpleNamespace(req=req, metadata_buffer_index=0)
+    pd_guard.around_commit_transfer(lambda queue, decode_req: None, queue, decode_req)
+
+
+def _sent_words(pool: SyntheticPool, req: SimpleNamespace, n: int) -> torch.Tensor:
+    """The prefill side: the request's KV written and sealed by a forward on a pool of the same
+    layout, then its metadata row filled (the AFTER hook on set_buf): the row that travels."""
+    sender = SyntheticPool(page_size=PS, num_pages=64, mode="verified", max_len=256)
+    sreq = sender.admit(list(req.origin_input_ids) + [1] * 8)
+    sender.forward([sreq], n)
+    buffers = _metadata()
+    prefill_req = SimpleNamespace(
+        metadata_buffer_index=0,
+        origin_input_ids=req.origin_input_ids,
+        extend_end=n,
+        disagg_decode_prefix_len=0,
+        kv=SimpleNamespace(req_pool_idx=sreq.row),
+    )
+    guard, table = state.guard, state.scheduler.req_to_token_pool.req_to_token
+    state.guard, state.scheduler.req_to_token_pool.req_to_token = sender.guard, sender.table
+    try:
+        pd_guard.after_set_buf(None, buffers, prefill_req)
+    finally:
+        state.guard, state.scheduler.req_to_token_pool.req_to_token = guard, table
+    return buffers.cached_tokens[0].clone()
 
 
 def test_pre_alloc_claims_and_commit_seals(pool: SyntheticPool) -> None:
@@ -90,3 +130,60 @@ def test_test_switch_flips_a_landed_byte_of_that_room_only(
     _commit(hit)
     changed = (before[0] != pool.bufs[0]).reshape(pool.bufs[0].shape[0], -1).any(1)
     assert torch.nonzero(changed).reshape(-1).tolist() == [int(hs[10])]
+
+
+def test_the_prefill_s_seal_rides_in_the_metadata_row_and_is_compared_on_landing(
+    pool: SyntheticPool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    kept, ks = _prealloc(pool, 37, room=8)
+    hit, hs = _prealloc(pool, 37, room=9)
+    words = _sent_words(pool, kept, 37)
+    assert int(words[7]) == pd_guard.SEAL_MAGIC and int(words[11]) == 37
+    assert not words[:7].any()  # SGLang's own words untouched
+    monkeypatch.setenv(pd_guard.FLIP_IN_FLIGHT_ROOM, "9")
+    for req, slots in ((kept, ks), (hit, hs)):
+        pool.write_kv(slots, torch.tensor(req.origin_input_ids), torch.arange(37))
+    _commit(kept, words)
+    assert pool.guard.actions.num_violations == 0
+    _commit(hit, words)  # the same prompt's seal: its bytes changed in flight
+    (v,) = pool.guard.actions.history
+    assert v.kinds == Kind.TRANSFER_MISMATCH and v.request == hit.rid
+
+
+def test_a_row_without_a_seal_or_of_another_layout_lands_unsealed(pool: SyntheticPool) -> None:
+    a, sa = _prealloc(pool, 20, room=8)
+    b, sb = _prealloc(pool, 20, room=9)
+    words = _sent_words(pool, b, 20)
+    words[8] ^= 1  # another layout's signature
+    for req, slots in ((a, sa), (b, sb)):
+        pool.write_kv(slots, torch.tensor(req.origin_input_ids), torch.arange(20))
+    _commit(a)  # no marker: a prefill without kvguard
+    _commit(b, words)
+    assert pool.guard.actions.num_violations == 0
+
+
+def test_a_truncated_or_unvouched_seal_aborts(pool: SyntheticPool) -> None:
+    a, sa = _prealloc(pool, 20, room=8)
+    b, sb = _prealloc(pool, 20, room=9)
+    short = _sent_words(pool, a, 20)
+    short[11] = 19
+    unvouched = _sent_words(pool, b, 20)
+    unvouched[7] = pd_guard.SEAL_UNVOUCHED
+    for req, slots in ((a, sa), (b, sb)):
+        pool.write_kv(slots, torch.tensor(req.origin_input_ids), torch.arange(20))
+    _commit(a, short)
+    _commit(b, unvouched)
+    assert [v.kinds for v in pool.guard.actions.history] == [Kind.TRANSFER_MISMATCH] * 2
+
+
+def test_a_warm_up_s_fake_transfer_reads_no_metadata(
+    pool: SyntheticPool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """SGLang's warm-up request lands nothing and sends no metadata row: not 'unsealed'."""
+    from sglang.srt.disaggregation.utils import FAKE_BOOTSTRAP_HOST
+
+    monkeypatch.setattr(pd_guard, "_said", set())
+    req, _ = _prealloc(pool, 8)
+    req.bootstrap_host = FAKE_BOOTSTRAP_HOST
+    _commit(req, torch.full((16,), 5, dtype=torch.int32))
+    assert pd_guard._said == set() and pool.guard.actions.num_violations == 0

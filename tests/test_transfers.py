@@ -200,3 +200,85 @@ def test_transfer_epochs_never_meet_a_forward_s_epochs():
     assert bool(((xfer >> EPOCH_STEP_SHIFT) == step + 1).all())
     assert not bool(torch.isin(xfer, fwd).any())
     assert torch.unique(xfer).numel() == xfer.numel()
+
+
+# -- the sender's seal: it travels with the transfer and is compared with the bytes that landed --
+def _sent(sender: SyntheticPool, n: int, salt: int = 0) -> tuple[Request, int | None]:
+    """A request prefilled on the sender (its forward writes and seals its KV): the seal of its
+    positions [0, n), as the sender hands it to the transfer."""
+    req = sender.admit(_tokens(n + 16, salt))
+    sender.forward([req], n)
+    assert sender.flagged() == set()
+    slots = sender.table[req.row, :n].to(torch.int64)
+    return req, sender.guard.on_transfer_sent(slots)
+
+
+def _land_sealed(
+    pool: SyntheticPool, req: Request, slots: torch.Tensor, n: int, seal, sent_n: int, flip=False
+) -> Kind | None:
+    pool.write_kv(slots, torch.tensor(req.tokens[:n], dtype=torch.int64), torch.arange(n))
+    if flip:  # a byte changed in flight: it lands changed
+        row_words_of = pool.guard.checker.kv_buffers[0]
+        row_words_of[int(slots[n // 2])].view(torch.uint8).reshape(-1)[0] ^= 0x10
+    v = pool.guard.on_transfer_landed(req.row, req, req.rid, seal, sent_n)
+    req.length = n
+    return None if v is None else v.kinds
+
+
+@pytest.mark.parametrize("ps", [1, 16])
+@pytest.mark.parametrize("receiver_mode", MODES)
+@pytest.mark.parametrize("sender_mode", MODES)
+def test_landed_bytes_match_the_sender_s_seal(sender_mode, receiver_mode, ps):
+    """The seal is a sum of position-keyed token digests: the sender's (from its ledger in the
+    checksum modes, from the bytes in tags) equals the receiver's of the same bytes in other
+    slots, in any pair of modes; a request served from it decodes on unflagged."""
+    sender, pool = _pool(sender_mode, ps), _pool(receiver_mode, ps)
+    for _ in range(3):  # the receiver's pages differ from the sender's
+        pool._take_page()
+    _, seal = _sent(sender, 37)
+    assert seal is not None
+    a, sa = _receive(pool, 37)
+    assert _land_sealed(pool, a, sa, 37, seal, 37) is None
+    for _ in range(4):
+        pool.forward([a], 1)
+    assert pool.flagged() == set()
+
+
+@pytest.mark.parametrize("ps", [1, 16])
+@pytest.mark.parametrize("mode", MODES)
+def test_bytes_changed_in_flight_are_caught_on_landing_in_every_mode(mode, ps):
+    sender, pool = _pool("verified", ps), _pool(mode, ps)
+    _, seal = _sent(sender, 37)
+    a, sa = _receive(pool, 37)
+    b, sb = _receive(pool, 21, salt=1)
+    _, seal_b = _sent(sender, 21, salt=1)
+    assert _land_sealed(pool, a, sa, 37, seal, 37, flip=True) == Kind.TRANSFER_MISMATCH
+    assert a.aborted
+    assert _land_sealed(pool, b, sb, 21, seal_b, 21) is None  # the request beside it lands
+    pool.forward([b], 1)
+    assert pool.flagged() == set()
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_seal_of_another_request_or_range_is_a_mismatch(mode):
+    sender, pool = _pool("verified", 16), _pool(mode, 16)
+    _, seal_other = _sent(sender, 37, salt=9)  # another request's KV, same length
+    _, seal = _sent(sender, 37)
+    a, sa = _receive(pool, 37)
+    assert _land_sealed(pool, a, sa, 37, seal_other, 37) == Kind.TRANSFER_MISMATCH
+    b, sb = _receive(pool, 37)
+    assert _land_sealed(pool, b, sb, 37, seal, 36) == Kind.TRANSFER_MISMATCH  # truncated
+    c, sc = _receive(pool, 37)
+    assert _land_sealed(pool, c, sc, 37, None, 37) == Kind.TRANSFER_MISMATCH  # not vouched for
+
+
+def test_the_sender_cannot_vouch_for_positions_its_ledger_does_not_hold():
+    """Checksum modes seal from the ledger (the bytes as written): slots that are not the
+    request's sealed positions [0, n) have no seal; tags mode hashes whatever bytes are there."""
+    sender = _pool("verified", 16)
+    req = sender.admit(_tokens(40))
+    sender.forward([req], 20)
+    slots = sender.table[req.row, :40].to(torch.int64)  # 20 of them never written
+    assert sender.guard.on_transfer_sent(slots) is None
+    assert sender.guard.on_transfer_sent(slots[:20]) is not None
+    assert sender.guard.on_transfer_sent(slots[1:20]) is None  # out of place
