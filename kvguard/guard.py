@@ -160,6 +160,7 @@ class Guard:
         self._buffer_index: dict[int, int] = {}
         self.host_reads_free = self.device.type == "cpu"
         self._seconds, self._steps, self._tokens, self._hashed = 0.0, 0, 0, 0  # not yet flushed
+        self._transfer_seconds, self._transfers = 0.0, 0  # hand-off checks, not yet flushed
         self._flushed_at = 0.0
         self.metrics.state_bytes.set(self.state_bytes)
         self.metrics.quarantine_cap_pages.set(self.health.quarantine_cap_pages)
@@ -655,7 +656,7 @@ class Guard:
         try:
             return self.transfers.issue(row, slots, tokens, seed, self.step)
         finally:
-            self._account(t0)
+            self._account_transfer(t0)
 
     def on_transfer_sent(self, slots: torch.Tensor) -> int | None:
         """A transfer of a request's positions [0, n) from ``slots`` [n] is being sent: the
@@ -668,7 +669,7 @@ class Guard:
                 slots, self.checker.kv_buffers, self.config.checksums, digests
             )
         finally:
-            self._account(t0)
+            self._account_transfer(t0)
 
     def on_transfer_landed(
         self,
@@ -704,7 +705,7 @@ class Guard:
             self.actions.abort([violation], [handle])
             return violation
         finally:
-            self._account(t0)
+            self._account_transfer(t0)
 
     def reset(self) -> None:
         """The engine cleared its pool: every page free, no record, nothing quarantined (the
@@ -842,6 +843,14 @@ class Guard:
     def _account(self, t0: float) -> None:
         self._seconds += clock() - t0
 
+    def _account_transfer(self, t0: float) -> None:
+        """A hand-off check's time: the guard's, and also reported apart (the cost of guarding a
+        prefill/decode pair per transfer)."""
+        spent = clock() - t0
+        self._seconds += spent
+        self._transfer_seconds += spent
+        self._transfers += 1
+
     def flush_metrics(self) -> None:
         """Send the counters gathered since the last flush (the engine calls this when idle),
         and let the recompute breaker close once its minute has passed (it is otherwise asked
@@ -862,6 +871,10 @@ class Guard:
         self.healing.breaker_open()  # its gauge follows the trailing minute while serving
         m = self.metrics
         m.check_seconds.inc(self._seconds)
+        if self._transfers:
+            m.transfers_checked.inc(self._transfers)
+            m.transfer_check_seconds.inc(self._transfer_seconds)
+            self._transfer_seconds, self._transfers = 0.0, 0
         if self._steps:
             m.steps_checked.inc(self._steps)
             m.tokens_checked.inc(self._tokens)

@@ -57,6 +57,16 @@ class GuardMetrics:
         self.check_seconds = Counter(
             "check_seconds", "CPU time of the scheduler thread inside guard hooks", **kw
         )
+        self.transfers_checked = Counter(
+            "transfers_checked",
+            "KV transfers (prefill/decode) sealed as sent, claimed as issued or checked as landed",
+            **kw,
+        )
+        self.transfer_check_seconds = Counter(
+            "transfer_check_seconds",
+            "CPU time of the scheduler thread in the hand-off checks (part of check_seconds)",
+            **kw,
+        )
         self.unchecked_forwards = Counter(
             "unchecked_forwards", "Forwards that ran without the guard's check (must stay 0)", **kw
         )

@@ -146,9 +146,10 @@ OPTIONS: list[Row] = [
         "is aborted, not recomputed (docs/pd.md)", _PD_PAIR),
     Row("disaggregation_decode_retraction_backup", "--disaggregation-decode-retraction-backup",
         SET, GUARDED,
-        "where a retracted decode request's KV waits (kvguard-serve: cpu_tensor on CPU); its "
-        "restore is not a checked writer yet: the restored pages are claimed, never sealed, so "
-        "their first read is flagged and the request aborted, never served unchecked",
+        "where a retracted decode request's KV waits (kvguard-serve: cpu_tensor on CPU); the "
+        "guard seals a cpu_tensor backup as it is taken and checks its restore as a landing "
+        "(claimed slots, the bytes against that seal); a restore with no seal (host_pool) is "
+        "not vouched for: that request is aborted, never served unchecked",
         _PD_PAIR),
     # ---- neutral: the option changes no KV path the guard checks -----------------------------
     Row("max_total_tokens", "--max-total-tokens", ANY, NEUTRAL, _SIZE, _BUDGET),

@@ -81,10 +81,11 @@ def _say_once(event: str, **fields) -> None:
 def after_set_buf(result, buffers, req, *args, **kwargs):
     """The request's KV is all sent or on its way: its seal joins the metadata row that follows
     it. The positions are those ``_send_kv_chunk`` sends: [0, min(extend_end, prompt length))."""
-    if not state.on():
+    words = buffers.cached_tokens[req.metadata_buffer_index]
+    if not state.on():  # SGLang reuses the row: no earlier request's seal may travel with this one
+        words[SEAL_WORDS] = 0
         return result
     guard = state.guard
-    words = buffers.cached_tokens[req.metadata_buffer_index]
     try:
         n = len(req.origin_input_ids)
         n = min(int(getattr(req, "extend_end", n)), n)
@@ -196,6 +197,43 @@ def around_commit_transfer(original, queue, decode_req, *args, **kwargs):
         return out
     if violation is None and os.environ.get(FLIP_ROOM) == str(req.bootstrap_room):
         _flip_one_byte(req)
+    return out
+
+
+# -- Req.offload_kv_cache (AFTER), decode server -------------------------------------------------------
+def after_offload_kv_cache(result, req, req_to_token_pool, *args, **kwargs):
+    """A retracted decode request's KV was copied to the host (the ``cpu_tensor`` retraction
+    backup), before its pages are released: the guard's seal of those positions, [0, seqlen - 1),
+    from its ledger (as for a send), stays with the request until the restore."""
+    if not state.on():
+        return result
+    n = int(req.seqlen) - 1
+    try:
+        slots = req_to_token_pool.req_to_token[int(req.kv.req_pool_idx), :n].to(torch.int64)
+        req.kvguard_backup_seal = (state.guard.on_transfer_sent(slots), n)
+    except Exception as exc:
+        state.guard.internal_error("transfer", exc)
+        req.kvguard_backup_seal = (None, n)  # not vouched for: the restore aborts it
+    return result
+
+
+# -- disaggregation.decode.restore_kv_cache (AROUND) ----------------------------------------------------
+def around_restore_kv_cache(original, req, *args, **kwargs):
+    """The backup written back into the slots ``_pre_alloc`` claimed for the resumed request: a
+    landing like a transfer's, compared with the seal taken at the backup. A backup without
+    one (another backend, or taken while the guard was off) is not vouched for: the request
+    is aborted (``transfer_mismatch``), never served unchecked."""
+    seal, n = getattr(req, "kvguard_backup_seal", None) or (None, -1)
+    req.kvguard_backup_seal = None
+    out = original(req, *args, **kwargs)
+    guard = state.guard
+    if not state.on() or req.finished_reason is not None:
+        return out
+    try:
+        guard.on_transfer_landed(int(req.kv.req_pool_idx), req, req.rid, seal, n)
+    except Exception as exc:
+        guard.internal_error("transfer", exc)
+        guard.fail_closed([req])
     return out
 
 

@@ -395,6 +395,20 @@ PD_GUARD_TARGETS = [
         "pd_guard.around_commit_transfer",
         "the transfer landed on every rank: sealed if its claim is unchanged, else the request is aborted",
     ),
+    (
+        "sglang.srt.managers.schedule_batch.Req.offload_kv_cache",
+        "AFTER",
+        "pd_guard.after_offload_kv_cache",
+        "decode: a retracted request's KV copied to the host (cpu_tensor backup): the guard's "
+        "seal of it stays with the request",
+    ),
+    (
+        f"{_DECODE}.restore_kv_cache",
+        "AROUND",
+        "pd_guard.around_restore_kv_cache",
+        "decode: the backup written back into the resumed request's claimed slots: a landing, "
+        "compared with the backup's seal (decode.py's own name for mem_cache.common's function)",
+    ),
 ]
 
 MLA_TARGETS = [

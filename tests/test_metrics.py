@@ -23,6 +23,8 @@ COUNTERS = [
     "kvguard_requests_aborted_total",
     "kvguard_pages_quarantined_total",
     "kvguard_check_seconds_total",
+    "kvguard_transfers_checked_total",
+    "kvguard_transfer_check_seconds_total",
     "kvguard_unchecked_forwards_total",
 ]
 

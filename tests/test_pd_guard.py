@@ -135,3 +135,32 @@ def test_transferred_kv_changed_before_its_first_read_flags_only_its_request(
         == (generate(pair.single.url, PROMPTS[0])["output_ids"])
     )
     assert pair.prefill.running() and pair.decode.running()
+
+
+@pytest.mark.engine
+def test_retracted_requests_are_restored_checked_and_served(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    """SGLang's test switch SGLANG_TEST_RETRACT retracts a running decode request every third
+    forward; its KV goes to the cpu_tensor backup (kvguard-serve's default on CPU) and is
+    restored on resume. The guard seals the backup and checks the restore as a landing: the
+    pair serves the single server's outputs with nothing flagged (a restore the guard did not
+    model would be flagged at its first read)."""
+    pair = PDPair(
+        tmp_path_factory.mktemp("pd-retract"),
+        kvguard_mode=None,
+        decode_env={"SGLANG_TEST_RETRACT": "1"},
+    )
+    try:
+        pair.start()
+        assert_pair_serves_the_single_server_s_outputs(pair)
+        pair.decode.wait_idle()
+        totals = pair.decode.metric_totals()
+        assert totals.get("sglang:num_retracted_requests_total", 0) > 0, "nothing was retracted"
+        assert _violations(pair) == (0.0, 0.0)
+        assert totals.get("kvguard_internal_errors_total", 0) == 0
+        assert totals.get("kvguard_transfers_checked_total", 0) > 0
+    except ServerDied as exc:
+        pytest.fail(str(exc))
+    finally:
+        pair.stop()

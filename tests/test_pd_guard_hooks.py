@@ -95,6 +95,8 @@ def _sent_words(pool: SyntheticPool, req: SimpleNamespace, n: int) -> torch.Tens
 
 
 def test_pre_alloc_claims_and_commit_seals(pool: SyntheticPool) -> None:
+    m = pool.guard.metrics
+    checked, seconds = m.transfers_checked._value.get(), m.transfer_check_seconds._value.get()
     req, slots = _prealloc(pool, 37)
     pages = torch.unique(slots // PS)
     L = pool.guard.ledger
@@ -104,6 +106,9 @@ def test_pre_alloc_claims_and_commit_seals(pool: SyntheticPool) -> None:
     _commit(req)
     assert int(L.pages.fill[pages].sum()) == 37
     assert pool.guard.actions.num_violations == 0 and req.finished_reason is None
+    pool.guard.flush_metrics()  # the claim and the landing, timed apart from the forwards'
+    assert m.transfers_checked._value.get() - checked == 2
+    assert m.transfer_check_seconds._value.get() > seconds
 
 
 def test_commit_into_a_changed_claim_aborts_the_request(pool: SyntheticPool) -> None:
@@ -187,3 +192,71 @@ def test_a_warm_up_s_fake_transfer_reads_no_metadata(
     req.bootstrap_host = FAKE_BOOTSTRAP_HOST
     _commit(req, torch.full((16,), 5, dtype=torch.int32))
     assert pd_guard._said == set() and pool.guard.actions.num_violations == 0
+
+
+def test_a_prefill_with_its_guard_switched_off_sends_no_stale_seal(
+    pool: SyntheticPool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """SGLang reuses metadata rows and never clears words 7-11: a seal left by an earlier request
+    must not travel with a request sent while the guard was off (``KVGUARD_MODE_FILE``)."""
+    req, _ = _prealloc(pool, 20)
+    words = _sent_words(pool, req, 20)
+    assert int(words[7]) == pd_guard.SEAL_MAGIC
+    buffers = _metadata(words.clone())
+    monkeypatch.setattr(state, "on", lambda: False)
+    pd_guard.after_set_buf(None, buffers, SimpleNamespace(metadata_buffer_index=0))
+    assert not buffers.cached_tokens[0, pd_guard.SEAL_WORDS].any()
+    assert torch.equal(buffers.cached_tokens[0, :7], words[:7])
+
+
+def _backed_up(pool: SyntheticPool, n: int) -> tuple[int | None, int]:
+    """A decode request that wrote and sealed ``n`` positions (forwards), then was retracted: the
+    backup hook's seal, taken before its pages are released. Its tokens are ``_prealloc``'s."""
+    tokens = [(5 * i + 1) % 300 for i in range(n)]
+    running = pool.admit(tokens + [1] * 8)
+    pool.forward([running], n)
+    req = SimpleNamespace(seqlen=n + 1, kv=SimpleNamespace(req_pool_idx=running.row))
+    pd_guard.after_offload_kv_cache(None, req, SimpleNamespace(req_to_token=pool.table))
+    pool.release(running)
+    seal: tuple[int | None, int] = req.kvguard_backup_seal
+    return seal
+
+
+def _restore(pool: SyntheticPool, req: SimpleNamespace, slots: torch.Tensor, flip: bool) -> None:
+    """SGLang's restore_kv_cache (cpu_tensor: load_kv_cache) through the AROUND hook: the backed
+    up bytes written into the slots _pre_alloc claimed; ``flip``: one byte of them changed."""
+
+    def load(req, *args):
+        n = slots.numel()
+        pool.write_kv(slots, torch.tensor(req.origin_input_ids[:n]), torch.arange(n))
+        if flip:
+            pool.bufs[0].view(-1)[int(slots[n // 2]) * pool.bufs[0][0].numel()] ^= 1
+
+    pd_guard.around_restore_kv_cache(load, req, None, None, None, "cpu_tensor")
+
+
+@pytest.mark.parametrize("flip", [False, True])
+def test_a_retracted_request_s_restore_is_a_landing_checked_against_its_backup(
+    pool: SyntheticPool, flip: bool
+) -> None:
+    seal = _backed_up(pool, 37)
+    assert seal[0] is not None and seal[1] == 37
+    req, slots = _prealloc(pool, 37)  # resumed: re-allocated and claimed
+    req.kvguard_backup_seal = seal
+    _restore(pool, req, slots, flip)
+    if not flip:
+        assert pool.guard.actions.num_violations == 0
+        pages = torch.unique(slots // PS)
+        assert int(pool.guard.ledger.pages.fill[pages].sum()) == 37  # sealed: read like its own
+    else:
+        (v,) = pool.guard.actions.history
+        assert v.kinds == Kind.TRANSFER_MISMATCH and v.request == req.rid
+    assert req.kvguard_backup_seal is None
+
+
+def test_a_restore_without_a_backup_seal_is_not_served(pool: SyntheticPool) -> None:
+    """Another backend's restore, or a backup taken while the guard was off: nothing vouches."""
+    req, slots = _prealloc(pool, 20)
+    _restore(pool, req, slots, flip=False)
+    (v,) = pool.guard.actions.history
+    assert v.kinds == Kind.TRANSFER_MISMATCH

@@ -28,6 +28,21 @@ class DefaultModelMissingError(FileNotFoundError):
     """The embedded default-model checkpoint is missing or incomplete."""
 
 
+def checked_checkpoint(
+    d: Path, missing_error: type[FileNotFoundError], what: str, builder: str
+) -> Path:
+    """``d`` if it holds every file of :data:`REQUIRED_FILES`; else ``missing_error`` naming
+    the missing files and the command (``python -m <builder> --out d``) that rebuilds them.
+    Every embedded model's ``ensure_*`` is this."""
+    missing = [name for name in REQUIRED_FILES if not (d / name).is_file()]
+    if missing:
+        raise missing_error(
+            f"kvguard {what} checkpoint at {d} is missing {', '.join(missing)}; rebuild it with "
+            f"`python -m {builder} --out {d}` or reinstall kvguard with its package data"
+        )
+    return d
+
+
 def ensure_default_model() -> Path:
     """Return the directory of the embedded default model checkpoint.
 
@@ -35,15 +50,12 @@ def ensure_default_model() -> Path:
     the missing files if the checkpoint is incomplete, e.g. when the package
     was installed without its package data.
     """
-    d = DEFAULT_MODEL_DIR
-    missing = [name for name in REQUIRED_FILES if not (d / name).is_file()]
-    if missing:
-        raise DefaultModelMissingError(
-            f"kvguard default model checkpoint at {d} is missing {', '.join(missing)}; "
-            "rebuild it with `python -m kvguard.serve.default_model.build "
-            f"--out {d}` or reinstall kvguard with its package data"
-        )
-    return d
+    return checked_checkpoint(
+        DEFAULT_MODEL_DIR,
+        DefaultModelMissingError,
+        "default model",
+        "kvguard.serve.default_model.build",
+    )
 
 
 def build_report() -> dict:
@@ -56,5 +68,6 @@ __all__ = [
     "REQUIRED_FILES",
     "DefaultModelMissingError",
     "build_report",
+    "checked_checkpoint",
     "ensure_default_model",
 ]

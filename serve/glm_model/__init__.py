@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from kvguard.serve.default_model import REQUIRED_FILES
+from kvguard.serve.default_model import checked_checkpoint
 
 GLM_MODEL_DIR = Path(__file__).parent / "checkpoint"
 
@@ -25,14 +25,9 @@ class GlmModelMissingError(FileNotFoundError):
 def ensure_glm_model() -> Path:
     """The directory of the embedded GLM-architecture checkpoint; raises
     :class:`GlmModelMissingError` (a ``FileNotFoundError``) naming the missing files."""
-    d = GLM_MODEL_DIR
-    missing = [name for name in REQUIRED_FILES if not (d / name).is_file()]
-    if missing:
-        raise GlmModelMissingError(
-            f"kvguard GLM-architecture checkpoint at {d} is missing {', '.join(missing)}; "
-            f"build it with `python -m kvguard.serve.glm_model.build --out {d}`"
-        )
-    return d
+    return checked_checkpoint(
+        GLM_MODEL_DIR, GlmModelMissingError, "GLM-architecture", "kvguard.serve.glm_model.build"
+    )
 
 
 def build_report() -> dict:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from kvguard.serve.default_model import REQUIRED_FILES
+from kvguard.serve.default_model import checked_checkpoint
 
 KIMI_MODEL_DIR = Path(__file__).parent / "checkpoint"
 
@@ -26,15 +26,9 @@ class KimiModelMissingError(FileNotFoundError):
 def ensure_kimi_model() -> Path:
     """The directory of the embedded Kimi-architecture checkpoint; raises
     :class:`KimiModelMissingError` (a ``FileNotFoundError``) naming the missing files."""
-    d = KIMI_MODEL_DIR
-    missing = [name for name in REQUIRED_FILES if not (d / name).is_file()]
-    if missing:
-        raise KimiModelMissingError(
-            f"kvguard Kimi-architecture checkpoint at {d} is missing {', '.join(missing)}; "
-            f"rebuild it with `python -m kvguard.serve.kimi_model.build --out {d}` "
-            "or reinstall kvguard with its package data"
-        )
-    return d
+    return checked_checkpoint(
+        KIMI_MODEL_DIR, KimiModelMissingError, "Kimi-architecture", "kvguard.serve.kimi_model.build"
+    )
 
 
 def build_report() -> dict:
