@@ -30,7 +30,12 @@ from pathlib import Path
 from kvguard import logconfig
 from kvguard.config import ConfigError, GuardConfig, Mode, OnViolation
 from kvguard.patches.engine_options import refusals
-from kvguard.serve.preflight import LaunchError, check_listen_address, check_model_path
+from kvguard.serve.preflight import (
+    LaunchError,
+    check_listen_address,
+    check_model_path,
+    deepseek_moe_overrides,
+)
 
 PROG = "kvguard-serve"
 # On CPU SGLang sizes the KV pool from free memory (about 70% of it) and knows nothing of the
@@ -192,6 +197,16 @@ def prepare(argv: list[str]):
         raise LaunchError("--embedded-model and --model-path: give one of them")
     check_model_path(model_path, given.get("load_format", "auto"))
     check_listen_address(given.get("host", defaults["host"]), given.get("port", defaults["port"]))
+    # A config saved by transformers 5 lacks MoE fields its model code fixes: SGLang gets them as
+    # model overrides (the user's own overrides win)
+    moe_supplied = deepseek_moe_overrides(model_path)
+    if moe_supplied:
+        try:
+            user = json.loads(given.get("json_model_override_args") or "{}")
+        except json.JSONDecodeError as e:
+            raise LaunchError(f"--json-model-override-args: not JSON ({e})") from None
+        moe_supplied = {k: v for k, v in moe_supplied.items() if k not in user}
+        extra += ["--json-model-override-args", json.dumps({**moe_supplied, **user})]
 
     if device == "cpu":
         extra += _unset(given, "device", ["--device", "cpu"])
@@ -244,6 +259,12 @@ def prepare(argv: list[str]):
     logconfig.configure(kv.log_format, log_level)
     if fp8_skipped:
         _log().warning("kv_cache_fp8_default_skipped", reason=fp8_skipped)
+    if moe_supplied:
+        _log().info(
+            "model_config_fields_supplied",
+            fields=moe_supplied,
+            why="config.json lacks them; transformers' model code for this architecture fixes them",
+        )
 
     from sglang.srt.server_args import prepare_server_args
 

@@ -41,7 +41,7 @@ def check_model_path(path: str, load_format: str = "auto") -> None:
             )
         if load_format != "dummy" and not any(next(p.glob(g), None) for g in WEIGHT_PATTERNS):
             raise LaunchError(f"--model-path {path}: no weight files (*.safetensors, *.bin, ...)")
-        check_deepseek_moe_fields(path, fields)
+        deepseek_moe_overrides(path)  # refuses what cannot be supplied
         return
     if _REPO_ID.match(path) and _in_hf_cache(path):
         return
@@ -51,32 +51,61 @@ def check_model_path(path: str, load_format: str = "auto") -> None:
     )
 
 
-# What SGLang's DeepSeek model code (DeepSeek-V2/V3, Kimi K2) reads from a MoE config without a
-# default. Released DeepSeek-V3 / Kimi K2 configs carry them; a config saved by transformers 5's
-# DeepseekV3Config does not, and SGLang then stops in the scheduler with an AttributeError.
+# What SGLang's DeepSeek model code (DeepSeek-V2/V3, Kimi K2, GLM-5) reads from a MoE config
+# without a default. Released DeepSeek-V3 / Kimi K2 / GLM-5 configs carry them; a config saved by
+# transformers 5's DeepseekV3Config or GlmMoeDsaConfig does not, and SGLang then stops in the
+# scheduler with an AttributeError.
 DEEPSEEK_ARCHS = (
     "DeepseekV2ForCausalLM",
     "DeepseekV3ForCausalLM",
     "DeepseekV32ForCausalLM",
-    "GlmMoeDsaForCausalLM",  # GLM-5: the same MoE code (transformers 5's config saves none either)
+    "GlmMoeDsaForCausalLM",
 )
 DEEPSEEK_MOE_FIELDS = {"moe_layer_freq": 1, "topk_method": "noaux_tc", "scoring_func": "sigmoid"}
+# transformers' own model code for these fixes what those fields say: sigmoid router scores with
+# a correction bias and group-limited top-k (noaux_tc), every layer from first_k_dense_replace
+# on MoE (or as mlp_layer_types lists). A config without them means exactly DEEPSEEK_MOE_FIELDS.
+TRANSFORMERS_DEFINED_MOE = ("DeepseekV3ForCausalLM", "GlmMoeDsaForCausalLM")
 
 
-def check_deepseek_moe_fields(path: str, fields: dict) -> None:
-    if not set(fields.get("architectures") or []) & set(DEEPSEEK_ARCHS):
-        return
-    if fields.get("n_routed_experts") is None:
-        return  # dense: SGLang reads none of them
-    if int(fields.get("first_k_dense_replace") or 0) >= int(fields.get("num_hidden_layers") or 0):
-        return  # every layer dense: no MoE layer reads them
+def deepseek_moe_overrides(path: str) -> dict:
+    """The MoE fields SGLang's DeepSeek code needs and ``path``'s config.json lacks, to be passed
+    to SGLang as model overrides (``--json-model-override-args``): {} where nothing is missing.
+    Missing from an architecture whose transformers model fixes them: their values there.
+    Missing elsewhere, or MoE layers SGLang would place differently from the config's
+    ``mlp_layer_types``: :class:`LaunchError`."""
+    config = Path(path).expanduser() / "config.json"
+    if not config.is_file():
+        return {}
+    fields = json.loads(config.read_text())
+    archs = set(fields.get("architectures") or [])
+    if not archs & set(DEEPSEEK_ARCHS) or fields.get("n_routed_experts") is None:
+        return {}  # not SGLang's DeepSeek MoE code, or dense: it reads none of them
+    layers = int(fields.get("num_hidden_layers") or 0)
+    first_moe = int(fields.get("first_k_dense_replace") or 0)
+    if first_moe >= layers:
+        return {}  # every layer dense
     missing = [k for k in DEEPSEEK_MOE_FIELDS if k not in fields]
-    if missing:
-        example = ", ".join(f'"{k}": {json.dumps(DEEPSEEK_MOE_FIELDS[k])}' for k in missing)
+    freq = int(fields.get("moe_layer_freq") or 1)
+    types = fields.get("mlp_layer_types")
+    sglang_types = [
+        "sparse" if i >= first_moe and i % freq == 0 else "dense" for i in range(layers)
+    ]
+    if types is not None and list(types) != sglang_types:
         raise LaunchError(
-            f"--model-path {path}: config.json lacks {', '.join(missing)}, which SGLang's "
-            f"DeepSeek MoE model reads (DeepSeek-V3 / Kimi K2 / GLM-5 configs have e.g. {example})"
+            f"--model-path {path}: config.json's mlp_layer_types {types} places MoE layers where "
+            f"SGLang's DeepSeek MoE code does not (it follows first_k_dense_replace {first_moe} "
+            f"and moe_layer_freq {freq}: {sglang_types})"
         )
+    if not missing:
+        return {}
+    if archs & set(TRANSFORMERS_DEFINED_MOE):
+        return {k: DEEPSEEK_MOE_FIELDS[k] for k in missing}
+    example = ", ".join(f'"{k}": {json.dumps(DEEPSEEK_MOE_FIELDS[k])}' for k in missing)
+    raise LaunchError(
+        f"--model-path {path}: config.json lacks {', '.join(missing)}, which SGLang's DeepSeek "
+        f"MoE model reads (DeepSeek-V3 / Kimi K2 / GLM-5 configs have e.g. {example})"
+    )
 
 
 def check_listen_address(host: str, port: int) -> None:

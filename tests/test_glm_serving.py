@@ -112,12 +112,11 @@ def test_plain_transformers_checkpoint_served_at_defaults(serve_processes, tmp_p
     _plain_hf_glm(ckpt)
     refused = run_cli("--model-path", str(ckpt), "--kv-cache-dtype", "fp8_e4m3")
     assert_one_line_error(refused, "fp8_e4m3 cannot serve this model", "kv_lora_rank 64")
-    moe = tmp_path / "glm-plain-moe"  # MoE layers: SGLang reads keys transformers does not save
+    # MoE layers: SGLang reads fields transformers does not save; kvguard-serve supplies the
+    # values transformers' GlmMoeDsa code fixes (sigmoid, noaux_tc, MoE from layer 1 on)
+    moe = tmp_path / "glm-plain-moe"
     _plain_hf_glm(moe, first_k_dense_replace=1)
-    refused = run_cli("--model-path", str(moe))
-    assert_one_line_error(refused, "lacks moe_layer_freq, topk_method, scoring_func", "GLM-5")
-
-    srv = serve_processes(["--model-path", str(ckpt)])
+    srv = serve_processes(["--model-path", str(moe)])
     r = requests.post(
         f"{srv.url}/generate",
         json={"text": "def add(a, b):", "sampling_params": {"max_new_tokens": 8}},
@@ -127,7 +126,9 @@ def test_plain_transformers_checkpoint_served_at_defaults(serve_processes, tmp_p
     assert r.json()["meta_info"]["completion_tokens"] == 8
     info = requests.get(f"{srv.url}/server_info", timeout=30).json()
     assert info["kv_cache_dtype"] in ("auto", "bfloat16"), info["kv_cache_dtype"]
-    assert "kv_cache_fp8_default_skipped" in srv.log_tail(200_000)
+    log = srv.log_tail(200_000)
+    assert "kv_cache_fp8_default_skipped" in log
+    assert "model_config_fields_supplied" in log and "noaux_tc" in log
     srv.wait_idle()
     totals = srv.metric_totals()
     assert totals.get("kvguard_steps_checked_total", 0) > 0

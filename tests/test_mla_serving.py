@@ -191,17 +191,74 @@ def _launch(argv: list[str]) -> subprocess.CompletedProcess:
     )
 
 
-def test_deepseek_config_without_sglangs_moe_fields_is_one_line(tmp_path, model):
-    ckpt = tmp_path / "hf-saved"
-    shutil.copytree(model, ckpt)
-    cfg = json.loads((ckpt / "config.json").read_text())
-    for key in ("moe_layer_freq", "topk_method", "scoring_func"):  # what transformers 5 drops
+def _saved_without(model, out, drop=("moe_layer_freq", "topk_method", "scoring_func"), **set_):
+    """The checkpoint with config.json as transformers 5 saves it (no SGLang MoE fields)."""
+    shutil.copytree(model, out)
+    cfg = json.loads((out / "config.json").read_text())
+    for key in drop:
         cfg.pop(key)
-    (ckpt / "config.json").write_text(json.dumps(cfg))
-    proc = _launch(["--model-path", str(ckpt)])
+    cfg.update(set_)
+    (out / "config.json").write_text(json.dumps(cfg))
+    return out
+
+
+def test_moe_fields_transformers_fixes_are_supplied_to_sglang(tmp_path, model):
+    """DeepseekV3 (Kimi K2): transformers' model code fixes sigmoid/noaux_tc routing and MoE from
+    first_k_dense_replace on; a config lacking the fields means those values."""
+    from kvguard.serve.preflight import deepseek_moe_overrides
+
+    ckpt = _saved_without(model, tmp_path / "hf-saved")
+    assert deepseek_moe_overrides(str(ckpt)) == {
+        "moe_layer_freq": 1,
+        "topk_method": "noaux_tc",
+        "scoring_func": "sigmoid",
+    }
+    assert deepseek_moe_overrides(str(model)) == {}  # the committed config has them
+
+
+@pytest.mark.engine
+def test_transformers_saved_kimi_served_equals_transformers(
+    serve_processes, tmp_path, model, ids, hf_fp32
+):
+    """The committed model with config.json as transformers 5 saves it, through kvguard-serve:
+    the supplied fields are transformers' semantics (greedy in float32 equal to transformers')."""
+    import requests
+
+    ckpt = _saved_without(model, tmp_path / "hf-saved-served")
+    srv = serve_processes(
+        ["--model-path", str(ckpt), "--dtype", "float32", "--kv-cache-dtype", "auto"]
+    )
+    got = []
+    for prompt in ids:
+        r = requests.post(
+            f"{srv.url}/generate",
+            json={
+                "input_ids": prompt,
+                "sampling_params": {"temperature": 0, "max_new_tokens": N_NEW, "ignore_eos": True},
+            },
+            timeout=300,
+        )
+        assert r.status_code == 200, r.text
+        got.append(r.json()["output_ids"])
+    assert got == hf_fp32
+    assert "model_config_fields_supplied" in srv.log_tail(200_000)
+
+
+def test_moe_fields_nothing_fixes_are_one_line(tmp_path, model):
+    v2 = _saved_without(model, tmp_path / "v2", architectures=["DeepseekV2ForCausalLM"])
+    proc = _launch(["--model-path", str(v2)])
     assert proc.returncode == 2
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and "moe_layer_freq, topk_method, scoring_func" in lines[0], lines
+    cfg = json.loads((model / "config.json").read_text())
+    n, k = cfg["num_hidden_layers"], cfg["first_k_dense_replace"]
+    odd = ["sparse"] * n  # MoE in a layer SGLang keeps dense
+    assert k > 0
+    moved = _saved_without(model, tmp_path / "moved", drop=(), mlp_layer_types=odd)
+    proc = _launch(["--model-path", str(moved)])
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "mlp_layer_types" in lines[0], lines
 
 
 def test_embedded_model_and_model_path_conflict(model):
