@@ -80,7 +80,7 @@ def test_kvguard_serve_glm_at_defaults(serve_processes, model):
     assert totals.get("kvguard_violations_total", 0) == 0
 
 
-def _plain_hf_glm(out, first_k_dense_replace: int = 3) -> None:
+def _plain_hf_glm(out, first_k_dense_replace: int = 3, **released) -> None:
     """A random GlmMoeDsa checkpoint saved by transformers with its defaults but toy sizes."""
     import shutil
     from pathlib import Path
@@ -95,7 +95,7 @@ def _plain_hf_glm(out, first_k_dense_replace: int = 3) -> None:
         vocab_size=4096, hidden_size=128, intermediate_size=256, moe_intermediate_size=64,
         num_hidden_layers=2, first_k_dense_replace=first_k_dense_replace, num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=64,
         q_lora_rank=64, n_routed_experts=8, num_experts_per_tok=2, index_n_heads=4,
-        max_position_embeddings=4096,
+        max_position_embeddings=4096, **released,
     )  # fmt: skip
     torch.manual_seed(0)
     GlmMoeDsaForCausalLM(config).to(torch.bfloat16).save_pretrained(out)
@@ -115,7 +115,7 @@ def test_plain_transformers_checkpoint_served_at_defaults(serve_processes, tmp_p
     # MoE layers: SGLang reads fields transformers does not save; kvguard-serve supplies the
     # values transformers' GlmMoeDsa code fixes (sigmoid, noaux_tc, MoE from layer 1 on)
     moe = tmp_path / "glm-plain-moe"
-    _plain_hf_glm(moe, first_k_dense_replace=1)
+    _plain_hf_glm(moe, first_k_dense_replace=1, num_nextn_predict_layers=1)  # as GLM-5's has it
     srv = serve_processes(["--model-path", str(moe)])
     r = requests.post(
         f"{srv.url}/generate",
