@@ -11,7 +11,9 @@ methods as found at that moment and hands back ``disarm``, run right after the f
 that raised); one whose flip never happened is reported ``unfired`` and followed no further.
 
 Entries of class ``guard_fault`` make the guard's own hooks fail instead (``guard_faults``):
-they are armed when read, on every rank unless the entry names one.
+they are armed when read, on every rank unless the entry names one. Entries of a prefill/decode
+class (``pd_faults.PD_CLASSES``) are armed when read too, and taken by the next transfers the
+decode server sets up (its own hook on ``_transfer_page_indices``).
 
 Control file: ``{"plan": [{"id": 1, "cls": "bit_flip", "seed": 7}, ...]}`` (entries only appended).
 """
@@ -23,12 +25,18 @@ import os
 import random
 
 from kvguard.fuzz import guard_faults
+from kvguard.fuzz.pd_faults import PD_CLASSES
 
 FUZZ_TARGETS = [
     (
         "sglang.srt.managers.scheduler.Scheduler.run_batch",
         "AROUND",
         "inject before the batch's forward; follow whom each injection harms, before and after it",
+    ),
+    (
+        "sglang.srt.disaggregation.decode.DecodePreallocQueue._transfer_page_indices",
+        "AROUND",
+        "decode server of a PD pair: the destination pages sent to the prefill (pd_faults)",
     ),
 ]
 
@@ -113,6 +121,7 @@ FUZZ_NAMES = [
     (f"{_ATTN}.forward_extend", "callable", "injectors", "same, for an extend forward"),
     ("sglang.srt.layers.radix_attention.RadixAttention.layer_id", "attribute", "injectors", "which layer is about to read"),
     (f"{_BATCH}.seq_lens_cpu", "attribute", "plugin", "KV tokens a step reads (read_sets)"),
+    ("sglang.srt.disaggregation.utils._is_fake_transfer", "callable", "pd_faults", "a health check's transfer moves no KV: never faulted"),
 ]
 # fmt: on
 
@@ -128,6 +137,7 @@ class FuzzState:
         self.seen: set[int] = set()
         self.queue: list[dict] = []
         self.active = []  # injections still being watched (victims, stale writes, cleanups)
+        self.pd_armed: list[dict] = []  # PD hand-off faults waiting for a transfer (pd_faults)
         self.step = 0
         self.rank = 0  # tensor-parallel rank, known from the first batch
         # KV tokens read per step (batch seq_lens): steps, largest, steps above 512 / 2048, sum
@@ -150,7 +160,10 @@ class FuzzState:
         for entry in plan:
             if entry["id"] not in self.seen:
                 self.seen.add(entry["id"])
-                if entry.get("cls") == "guard_fault":
+                if entry.get("cls") in PD_CLASSES:
+                    self.pd_armed.append(entry)
+                    self.log({"event": "armed", **entry})
+                elif entry.get("cls") == "guard_fault":
                     if entry.get("rank", self.rank) == self.rank:
                         guard_faults.arm(entry, self.log)
                         self.log({"event": "armed", **entry})
@@ -348,6 +361,14 @@ def load() -> None:
         return
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
+    from kvguard.fuzz.pd_faults import around_transfer_page_indices
+
     _state = FuzzState(control, os.environ.get("KVGUARD_FUZZ_LOG"))
+    hooks = {"run_batch": around_run_batch, "_transfer_page_indices": around_transfer_page_indices}
     for target, hook_type, _why in FUZZ_TARGETS:
-        HookRegistry.register(target, around_run_batch, HookType[hook_type])
+        HookRegistry.register(target, hooks[target.rsplit(".", 1)[1]], HookType[hook_type])
+
+
+def state() -> FuzzState | None:
+    """The plugin's state in this scheduler process (None: the fuzz tool is not active)."""
+    return _state

@@ -13,6 +13,7 @@ router's requests pick random rooms and are never touched.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 
@@ -81,15 +82,17 @@ def test_guarded_pair_serves_a_single_server_s_outputs(guarded_pair: PDPair) -> 
         assert totals.get("kvguard_internal_errors_total", 0) == 0, server.url
 
 
-def _by_hand(pair: PDPair, prompt: str, room: int) -> requests.Response:
+def _by_hand(pair: PDPair, prompt: str, room: int, **fields: object) -> requests.Response:
     """Route one request by hand (docs/pd.md): the same body, with the bootstrap fields, posted
-    to both servers at once; the decode server's answer is the completion."""
+    to both servers at once; the decode server's answer is the completion. ``fields``: more of
+    the request's JSON body."""
     body = {
         "text": prompt,
         "sampling_params": {"temperature": 0, "max_new_tokens": MAX_NEW_TOKENS},
         "bootstrap_host": "127.0.0.1",
         "bootstrap_port": pair.bootstrap_port,
         "bootstrap_room": room,
+        **fields,
     }
     with ThreadPoolExecutor(2) as pool:
         pre = pool.submit(requests.post, f"{pair.prefill.url}/generate", json=body, timeout=180)
@@ -160,6 +163,68 @@ def test_retracted_requests_are_restored_checked_and_served(
         assert _violations(pair) == (0.0, 0.0)
         assert totals.get("kvguard_internal_errors_total", 0) == 0
         assert totals.get("kvguard_transfers_checked_total", 0) > 0
+    except ServerDied as exc:
+        pytest.fail(str(exc))
+    finally:
+        pair.stop()
+
+
+@pytest.mark.engine
+def test_transfers_misdirected_or_truncated_are_caught_by_the_prefill_s_seal(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    """The fuzz tool's PD classes (fuzz/pd_faults.py), through SGLang's real transfer path: the
+    destination pages the decode server sends the prefill name one page twice (two pages'
+    KV land in one page's slots, the other keeps what it held) or lose their last page (the prefill sends fewer
+    pages than it holds). Ownership sees nothing wrong; the bytes that land do not match the
+    prefill's seal: each such request is aborted, and the next one is served."""
+    root = tmp_path_factory.mktemp("pd-fuzz")
+    control, fuzz_log, mode = root / "control.json", root / "fuzz.jsonl", root / "mode"
+    control.write_text(json.dumps({"plan": []}))
+    mode.write_text("verified")
+    pair = PDPair(
+        root,
+        kvguard_mode=None,
+        decode_env={
+            "KVGUARD_FUZZ_CONTROL": str(control),
+            "KVGUARD_FUZZ_LOG": str(fuzz_log),
+            "KVGUARD_MODE_FILE": str(mode),  # the guard-off arm below
+        },
+    )
+    classes = ["transfer_misdirected", "transfer_truncated"]
+    try:
+        pair.start()
+        expected = generate(pair.single.url, PROMPTS[2])
+        plan: list[dict] = []
+        for i, cls in enumerate(classes):
+            plan.append({"id": i + 1, "cls": cls})
+            control.write_text(json.dumps({"plan": plan}))
+            room = 4_242_424_250 + i
+            hit = _by_hand(pair, PROMPTS[2], room)
+            assert hit.status_code != 200, (cls, hit.text[:300])
+            assert "KV cache integrity violation" in hit.text, (cls, hit.text[:300])
+            events = [json.loads(line) for line in fuzz_log.read_text().splitlines()]
+            injected = [e for e in events if e["event"] == "injected" and e["cls"] == cls]
+            assert [e["detail"]["room"] for e in injected] == [room], events
+        pair.decode.wait_idle()
+        assert pair.decode.log_tail(200_000).count("transfer_mismatch") >= len(classes)
+        assert generate(pair.router.url, PROMPTS[2])["output_ids"] == expected["output_ids"]
+        assert _violations(pair)[0] == 0  # the prefill sent intact KV
+        # the fault is real: with the decode server's guard off the request is answered from the
+        # misplaced KV (the tiny model's greedy tokens may survive it; its logprobs do not)
+        mode.write_text("off")
+        assert pair.decode.flush_cache()  # the mode switches at the flush
+
+        def logprobs(room: int) -> list[float]:
+            r = _by_hand(pair, PROMPTS[2], room, return_logprob=True)
+            assert r.status_code == 200, r.text[:300]
+            return [lp for lp, *_ in r.json()["meta_info"]["output_token_logprobs"]]
+
+        clean_off = logprobs(4_242_424_258)
+        plan.append({"id": len(plan) + 1, "cls": "transfer_misdirected"})
+        control.write_text(json.dumps({"plan": plan}))
+        assert logprobs(4_242_424_259) != clean_off
+        assert logprobs(4_242_424_260) == clean_off  # and the next transfer is intact again
     except ServerDied as exc:
         pytest.fail(str(exc))
     finally:
