@@ -72,7 +72,7 @@ def settled_counters(srv: ServeProcess, timeout_s: float = 5.0) -> tuple[float, 
     return last
 
 
-async def _stream(session, url, prompt, max_new_tokens):
+async def stream_tokens(session, url, prompt, max_new_tokens):
     body = {
         **({"input_ids": prompt} if isinstance(prompt, list) else {"text": prompt}),
         "stream": True,
@@ -106,7 +106,7 @@ async def _plain(session, url, prompt, max_new_tokens):
 
 
 async def run_round(url, prompts, max_new_tokens, plain=False):
-    one = _plain if plain else _stream
+    one = _plain if plain else stream_tokens
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=900)) as session:
         t0 = time.perf_counter()
         streams = await asyncio.gather(*[one(session, url, p, max_new_tokens) for p in prompts])

@@ -36,7 +36,7 @@ from pathlib import Path
 
 import aiohttp
 
-from kvguard.bench.guard import MODES, pct, workload
+from kvguard.bench.guard import MODES, pct, stream_tokens, workload
 from kvguard.serve.child import ServeProcess, free_port
 from kvguard.serve.pd import RouterProcess, pd_server_args
 
@@ -100,24 +100,10 @@ class Pair:
 
 
 async def _stream(session, url, prompt, max_new_tokens):
-    """One streamed greedy request: (sent at, [arrival time of each token])."""
-    body = {
-        **({"input_ids": prompt} if isinstance(prompt, list) else {"text": prompt}),
-        "stream": True,
-        "sampling_params": {"temperature": 0, "max_new_tokens": max_new_tokens, "ignore_eos": True},
-    }
-    sent, times, n_prev = time.perf_counter(), [], 0
-    async with session.post(f"{url}/generate", json=body) as resp:
-        assert resp.status == 200, await resp.text()
-        async for raw in resp.content:
-            line = raw.decode().strip()
-            if not line.startswith("data:") or line == "data: [DONE]":
-                continue
-            n = json.loads(line[5:])["meta_info"]["completion_tokens"]
-            now = time.perf_counter()
-            times.extend([now] * (n - n_prev))
-            n_prev = n
-    assert n_prev == max_new_tokens, (n_prev, max_new_tokens)
+    """One streamed greedy request (``bench.guard``'s): (sent at, [arrival time of each token])."""
+    sent = time.perf_counter()
+    times = await stream_tokens(session, url, prompt, max_new_tokens)
+    assert len(times) == max_new_tokens, (len(times), max_new_tokens)
     return sent, times
 
 

@@ -222,25 +222,11 @@ def test_transformers_saved_kimi_served_equals_transformers(
 ):
     """The committed model with config.json as transformers 5 saves it, through kvguard-serve:
     the supplied fields are transformers' semantics (greedy in float32 equal to transformers')."""
-    import requests
-
     ckpt = _saved_without(model, tmp_path / "hf-saved-served")
     srv = serve_processes(
         ["--model-path", str(ckpt), "--dtype", "float32", "--kv-cache-dtype", "auto"]
     )
-    got = []
-    for prompt in ids:
-        r = requests.post(
-            f"{srv.url}/generate",
-            json={
-                "input_ids": prompt,
-                "sampling_params": {"temperature": 0, "max_new_tokens": N_NEW, "ignore_eos": True},
-            },
-            timeout=300,
-        )
-        assert r.status_code == 200, r.text
-        got.append(r.json()["output_ids"])
-    assert got == hf_fp32
+    assert [o["output_ids"] for o in _generate(srv, ids, N_NEW)] == hf_fp32
     assert "model_config_fields_supplied" in srv.log_tail(200_000)
 
 
