@@ -52,7 +52,9 @@ class Response:
         return asdict(self)
 
 
-def _body(spec: RequestSpec, rid: str, stream: bool) -> dict:
+def request_body(spec: RequestSpec, rid: str, stream: bool, extra: dict | None = None) -> dict:
+    """The /generate body of ``spec``; ``extra``: more top-level fields (a PD pair's bootstrap
+    fields)."""
     tenant = {
         k: v for k, v in (("extra_key", spec.extra_key), ("cache_salt", spec.cache_salt)) if v
     }
@@ -68,12 +70,19 @@ def _body(spec: RequestSpec, rid: str, stream: bool) -> dict:
             "temperature": 0,
             "ignore_eos": True,
         },
+        **(extra or {}),
     }
 
 
-async def _one(
-    session: aiohttp.ClientSession, url: str, spec: RequestSpec, prefix: str
+async def one_request(
+    session: aiohttp.ClientSession,
+    url: str,
+    spec: RequestSpec,
+    prefix: str,
+    extra: dict | None = None,
 ) -> Response:
+    """Send ``spec`` (rid ``<prefix>-<key>``, body fields ``extra`` added) and record what the
+    client got."""
     rid = f"{prefix}-{spec.key}"
     out = Response(
         rid=rid,
@@ -85,9 +94,11 @@ async def _one(
     t0 = time.monotonic()
     try:
         if spec.streamed:
-            await _streamed(session, url, spec, rid, out)
+            await _streamed(session, url, spec, rid, out, extra)
         else:
-            async with session.post(f"{url}/generate", json=_body(spec, rid, False)) as r:
+            async with session.post(
+                f"{url}/generate", json=request_body(spec, rid, False, extra)
+            ) as r:
                 out.status = r.status
                 text = await r.text()
                 if r.status == 200:
@@ -103,12 +114,12 @@ async def _one(
     return out
 
 
-async def _streamed(session, url, spec: RequestSpec, rid: str, out: Response):
+async def _streamed(session, url, spec: RequestSpec, rid: str, out: Response, extra=None):
     """A streamed request (SSE): every chunk's tokens recorded in the order they arrived. A
     client abort (``cancel_after_chunks``) drops the connection after that many chunks (SGLang
     then aborts the request)."""
     stream = StreamFold(out)
-    async with session.post(f"{url}/generate", json=_body(spec, rid, True)) as r:
+    async with session.post(f"{url}/generate", json=request_body(spec, rid, True, extra)) as r:
         out.status = r.status
         if r.status != 200:
             _error(out, await r.text())
@@ -229,7 +240,7 @@ async def run_wave(url: str, specs: list[RequestSpec], prefix: str, on_sent=None
     timeout = aiohttp.ClientTimeout(total=REQUEST_TIMEOUT_S)
     conn = aiohttp.TCPConnector(limit=0)
     async with aiohttp.ClientSession(timeout=timeout, connector=conn) as session:
-        tasks = [asyncio.ensure_future(_one(session, url, s, prefix)) for s in specs]
+        tasks = [asyncio.ensure_future(one_request(session, url, s, prefix)) for s in specs]
         await asyncio.sleep(0)  # every request starts connecting before the injection lands
         if on_sent is not None:
             on_sent()

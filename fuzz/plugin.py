@@ -122,6 +122,18 @@ FUZZ_NAMES = [
     ("sglang.srt.layers.radix_attention.RadixAttention.layer_id", "attribute", "injectors", "which layer is about to read"),
     (f"{_BATCH}.seq_lens_cpu", "attribute", "plugin", "KV tokens a step reads (read_sets)"),
     ("sglang.srt.disaggregation.utils._is_fake_transfer", "callable", "pd_faults", "a health check's transfer moves no KV: never faulted"),
+    ("sglang.srt.disaggregation.decode.DecodePreallocQueue.scheduler", "attribute", "pd_faults", "transfer_into_reused: the running batch"),
+    ("sglang.srt.disaggregation.decode.DecodePreallocQueue.req_to_token_pool", "attribute", "pd_faults", "the holder's page table row"),
+    ("sglang.srt.disaggregation.decode.DecodePreallocQueue.token_to_kv_pool_allocator", "attribute", "pd_faults", "page size, the pool"),
+    (f"{_ALLOC}.get_kvcache", "callable", "pd_faults", "the pool whose pages a fault leaves unwritten are zeroed"),
+    ("sglang.srt.managers.scheduler.Scheduler.running_batch", "attribute", "pd_faults", "requests holding and reading pages"),
+    ("sglang.srt.disaggregation.decode.DecodePreallocQueue.transfer_queue", "attribute", "pd_faults", "transfer_wrong_room: transfers in flight"),
+    ("sglang.srt.disaggregation.decode.DecodeTransferQueue.queue", "attribute", "pd_faults", "their decode requests"),
+    ("sglang.srt.managers.schedule_batch.Req.origin_input_ids", "attribute", "pd_faults", "pages a transfer fills"),
+    ("sglang.srt.managers.schedule_batch.Req.sampling_params", "attribute", "pd_faults", "max_new_tokens: tokens still to decode"),
+    ("sglang.srt.managers.schedule_batch.Req.kv", "attribute", "pd_faults", "the holder's KV bookkeeping"),
+    (f"{_REQ_KV}.req_pool_idx", "attribute", "pd_faults", "the holder's row"),
+    (f"{_REQ_KV}.kv_committed_len", "attribute", "pd_faults", "the holder has written a page"),
 ]
 # fmt: on
 

@@ -144,6 +144,11 @@ OPTIONS: list[Row] = [
         "the bytes match the prefill's seal (else the request is aborted), so KV neither a "
         "forward nor a landed transfer wrote is flagged at its first read; a flagged request "
         "is aborted, not recomputed (docs/pd.md)", _PD_PAIR),
+    Row("disaggregation_enable_kv_checksum", "--disaggregation-enable-kv-checksum", ON, GUARDED,
+        "SGLang's own hand-off checksum (one Adler-32 per request, compared at admission to "
+        "decode; on CPU kvguard's host build of its digest) runs beside the guard's seal; a "
+        "request it aborts is released through release_kv_cache (hooked)",
+        "tests/test_pd_guard.py::test_retracted_requests_are_restored_checked_and_served"),
     Row("disaggregation_decode_retraction_backup", "--disaggregation-decode-retraction-backup",
         SET, GUARDED,
         "where a retracted decode request's KV waits (kvguard-serve: cpu_tensor on CPU); the "
@@ -318,7 +323,6 @@ OPTIONS: list[Row] = [
          "--disaggregation-decode-host-receive-threshold", changed(1.0)),
         ("disaggregation_decode_allocation_policy", "--disaggregation-decode-allocation-policy",
          changed("early")),
-        ("disaggregation_enable_kv_checksum", "--disaggregation-enable-kv-checksum", ON),
         ("enable_pd_role_switch", "--enable-pd-role-switch", ON),
         ("num_reserved_decode_tokens", "--num-reserved-decode-tokens", changed(512)),
         ("optimistic_prefill_attempts", "--optimistic-prefill-attempts", changed(0)),

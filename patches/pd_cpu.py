@@ -21,6 +21,12 @@ prefill or decode server: a single server never reaches them.
   forward stream under the overlap scheduler, so the transfer waits for the prior forward's
   writes. On CPU a forward runs to completion on the scheduler's thread before that call:
   ``around_early_send`` runs it as without overlap (no event, nothing to wait for).
+* SGLang's own hand-off checksum (``--disaggregation-enable-kv-checksum``). Its digest is a JIT
+  CUDA kernel (``adler32_strided_checksum``: Adler-32 over the selected items of every KV
+  buffer, buffer by buffer, item by item) fed page indices on the device. ``around_kv_checksum``
+  computes the same Adler-32 over the same bytes in the same order on the host (zlib's
+  ``adler32``, reading each item at its address) when the indices are host tensors; SGLang's
+  checksum buffers, comparison and abort are its own.
 
 What else a CPU decode server needs is an argument, not a patch: the retraction backup that
 SGLang infers for a decode server (``host_pool``) registers its buffer with
@@ -32,6 +38,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import zlib
 from importlib.machinery import EXTENSION_SUFFIXES
 from pathlib import Path
 from typing import Any
@@ -109,3 +116,30 @@ def around_early_send(original, scheduler, *args: Any, **kwargs: Any):
         return original(scheduler, *args, **kwargs)
     finally:
         scheduler.enable_overlap = True
+
+
+# -- disaggregation.checksum.KvChecksumComputer.compute (AROUND) -----------------------------------
+def around_kv_checksum(original, computer, kv_page_indices, state_indices=None):
+    """AROUND: with host page indices (CPU), the Adler-32 SGLang's CUDA kernel computes, on the
+    host: over every buffer in turn (KV, then state), each selected item's bytes in index order."""
+    if kv_page_indices.is_cuda:
+        return original(computer, kv_page_indices, state_indices)
+    ptrs = list(computer._kv_data_ptrs)
+    lens = list(computer._kv_item_lens)
+    indices = [kv_page_indices] * len(ptrs)
+    if computer._state_data_ptrs:
+        assert state_indices is not None, "a state buffer without state indices"
+        ptrs += computer._state_data_ptrs
+        lens += computer._state_item_lens
+        indices += [state_indices] * len(computer._state_data_ptrs)
+    return adler32_items(ptrs, lens, [i.tolist() for i in indices])
+
+
+def adler32_items(ptrs: list[int], item_lens: list[int], indices: list[list[int]]) -> int:
+    """Adler-32 of the items ``indices[b]`` of buffer ``b`` (base address ``ptrs[b]``, items of
+    ``item_lens[b]`` bytes), buffers in order; 1 (Adler-32 of nothing) when there are none."""
+    digest = 1
+    for base, item_len, items in zip(ptrs, item_lens, indices):
+        for i in items:
+            digest = zlib.adler32(ctypes.string_at(base + int(i) * item_len, item_len), digest)
+    return digest

@@ -361,6 +361,13 @@ PD_CPU_TARGETS = [
         "the early send of a cached prefix records a CUDA event on the forward stream (overlap): "
         "on CPU the prior forward has completed, nothing to wait for",
     ),
+    (
+        "sglang.srt.disaggregation.checksum.KvChecksumComputer.compute",
+        "AROUND",
+        "pd_cpu.around_kv_checksum",
+        "--disaggregation-enable-kv-checksum's Adler-32 is a JIT CUDA kernel: the same Adler-32 "
+        "over the same bytes on the host when the page indices are host tensors",
+    ),
 ]
 
 # MLA models (DeepSeek-V2/V3 architecture: Kimi K2, ...) on CPU with torch_native attention.
@@ -735,6 +742,10 @@ SGLANG_NAMES = [
     (f"{_REQ}.finished_reason", "attribute", "pd_guard", "a request SGLang aborted at commit"),
     (f"{_REQ_KV}.kv_committed_len", "attribute", "pd_guard", "positions the transfer fills"),
     (f"{_SCHED}.disaggregation_mode", "attribute", "control", "a PD server cannot re-prefill a request"),
+    ("sglang.srt.disaggregation.checksum.KvChecksumComputer._kv_data_ptrs", "attribute", "pd_cpu", "the KV buffers SGLang's checksum digests"),
+    ("sglang.srt.disaggregation.checksum.KvChecksumComputer._kv_item_lens", "attribute", "pd_cpu", "bytes per page of each"),
+    ("sglang.srt.disaggregation.checksum.KvChecksumComputer._state_data_ptrs", "attribute", "pd_cpu", "state buffers (hybrid models)"),
+    ("sglang.srt.disaggregation.checksum.KvChecksumComputer._state_item_lens", "attribute", "pd_cpu", "bytes per state item"),
     ("sglang.srt.server_args.ServerArgs", "callable", "engine_options", "their raw input: the fields OPTIONS names"),
     # -- compressed-tensors W4A16 on CPU (int4_cpu_moe.py) --------------------------------------
     (f"{_CT}.schemes.compressed_tensors_wNa16_moe.CompressedTensorsWNA16MoE", "callable", "int4_cpu_moe", "the experts' scheme"),

@@ -37,18 +37,25 @@ PROMPTS = [
 class PDPair:
     """Prefill, decode and router in guard mode ``kvguard_mode`` (None: kvguard-serve's default),
     plus a single server with the same arguments, guard off (the reference). ``decode_env``:
-    added to the decode server's environment."""
+    added to the decode server's environment; ``pair_args``: more arguments of both servers of
+    the pair."""
 
     def __init__(
-        self, root: Path, kvguard_mode: str | None, decode_env: dict[str, str] | None = None
+        self,
+        root: Path,
+        kvguard_mode: str | None,
+        decode_env: dict[str, str] | None = None,
+        pair_args: list[str] | None = None,
     ):
         self.bootstrap_port = free_port()
         self.prefill = ServeProcess(
-            pd_server_args("prefill", self.bootstrap_port, kvguard_mode) + SERVER_ARGS,
+            pd_server_args("prefill", self.bootstrap_port, kvguard_mode)
+            + SERVER_ARGS
+            + (pair_args or []),
             root / "prefill.log",
         )
         self.decode = ServeProcess(
-            pd_server_args("decode", None, kvguard_mode) + SERVER_ARGS,
+            pd_server_args("decode", None, kvguard_mode) + SERVER_ARGS + (pair_args or []),
             root / "decode.log",
             decode_env,
         )

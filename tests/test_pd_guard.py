@@ -148,11 +148,14 @@ def test_retracted_requests_are_restored_checked_and_served(
     forward; its KV goes to the cpu_tensor backup (kvguard-serve's default on CPU) and is
     restored on resume. The guard seals the backup and checks the restore as a landing: the
     pair serves the single server's outputs with nothing flagged (a restore the guard did not
-    model would be flagged at its first read)."""
+    model would be flagged at its first read). SGLang's own hand-off checksum runs beside the
+    guard on both servers (--disaggregation-enable-kv-checksum; its digest on the host,
+    patches/pd_cpu.py) and aborts nothing either."""
     pair = PDPair(
         tmp_path_factory.mktemp("pd-retract"),
         kvguard_mode=None,
         decode_env={"SGLANG_TEST_RETRACT": "1"},
+        pair_args=["--disaggregation-enable-kv-checksum"],
     )
     try:
         pair.start()
@@ -163,6 +166,7 @@ def test_retracted_requests_are_restored_checked_and_served(
         assert _violations(pair) == (0.0, 0.0)
         assert totals.get("kvguard_internal_errors_total", 0) == 0
         assert totals.get("kvguard_transfers_checked_total", 0) > 0
+        assert "KV checksum mismatch" not in pair.decode.log_tail(1_000_000)
     except ServerDied as exc:
         pytest.fail(str(exc))
     finally:
