@@ -5,33 +5,33 @@ What the guard's hand-off checks (docs/pd.md) must catch.
 
 - ``transfer_misdirected``: one destination page index wrong (the middle one names the page
   after it), as an index-translation bug delivers part of a transfer to the wrong slots: two
-  pages' KV land in one page's slots and the page that should have been named keeps what it held
-  before. (A mere permutation of the request's own pages would not do: attention over a set of
+  pages' KV land in one page's slots and the page that should have been named is left
+  unwritten. (A mere permutation of the request's own pages would not do: attention over a set of
   keys is blind to the slots they sit in.) The bytes land in pages the request owns, so ownership
   sees nothing wrong; the prefill's seal does. Needs two pages or more.
 - ``transfer_truncated``: the last destination page dropped. SGLang's prefill then sends fewer
   pages than it holds (``mooncake/conn.py`` cuts its source pages to the destination's count
-  with a warning, "this should never happen"): the request's last page keeps what it held before.
+  with a warning, "this should never happen"): the request's last page is left unwritten.
   Needs two pages or more.
 - ``transfer_into_reused``: one destination page index (the middle one) names a page another
   request holds and reads: the first page of the running request with the most tokens still to
   decode. The end state of sglang #24226 and #38961 (a transfer issued into slots that were freed
   and handed out again before it landed): the other request's KV is overwritten with this one's,
-  and this request's own page keeps what it held. Two victims: this request (at its landing) and
+  and this request's own page is left unwritten. Two victims: this request (at its landing) and
   the page's holder (at its next read, in the modes that verify reads). Needs two pages or more
   and a running request holding a page.
 - ``transfer_wrong_room``: the destination pages are those of another request whose own
   transfer is still in flight (the latest in the transfer queue; as many of them as both have,
   this request's own beyond), as a prefill that matched a transfer to the wrong bootstrap room:
   this request's KV lands in the other's slots (whether before or after the other's own bytes
-  is the transfer engine's race), and this request's pages keep what they held. Victims: this
+  is the transfer engine's race), and this request's pages are left unwritten. Victims: this
   request, and the other where this transfer lands last. Needs a transfer in flight.
 
-The request's own pages that no byte of the faulty transfer reaches are zeroed when it is
-injected: a freed page keeps its bytes, and what it held could be, by chance, the very KV the
-request should find there (the same prompt served before on the same pages: a campaign's clean
-pass), which is no fault. For the two classes that reach another request's pages, that request is logged as the
-``holder`` (``holder_rid``, ``holder_room``).
+A page left unwritten is zeroed when the fault is injected: a freed page keeps its bytes, and
+what it held could be, by chance, the very KV the request should find there (the same prompt
+served before on the same pages: a campaign's clean pass), which is no fault. For the two
+classes that reach another request's pages, that request is logged as the ``holder``
+(``holder_rid``, ``holder_room``).
 
 Plan entries of these classes (control file, as for every class) are armed when read; each
 transfer takes the first armed entry it fits (an entry waiting for a running request does not
