@@ -19,11 +19,11 @@ is issued while the first's is in flight: ``transfer_wrong_room`` needs one) and
 ``transfer_into_reused`` needs a running request to reach).
 
 Who a fault harmed (from the decode server's injection log): the request whose transfer it
-changed is a **victim** (a page of its KV is not its KV: it must not be served); for
-``transfer_into_reused``, the running request whose page the transfer reached is its
-**holder**: its KV was overwritten if it still held the page when the transfer landed (it may
-have finished before), so an abort of it is no false abort and its served output is scored like
-any other. Per arm:
+changed is a **victim** (a page of its KV is not its KV: it must not be served); the other
+request whose pages the transfer reached (``transfer_into_reused``: a running request;
+``transfer_wrong_room``: one whose own transfer was in flight) is its **holder**: its KV was
+overwritten if the transfer's bytes landed while it held those pages and after its own, so an
+abort of it is no false abort and its served output is scored like any other. Per arm:
 
 - **escapes**: answers (or streamed tokens before an abort) whose tokens differ from the clean
   run's; for a request no fault touched, a difference at a near tie of the clean run's two best
@@ -226,6 +226,8 @@ def _moved(ref_top2: list, top2: list) -> float:
     the best token differs)."""
     moved = 0.0
     for a, b in zip(ref_top2, top2):
+        if bool(a) != bool(b):  # one of them NaN (logits from garbage KV)
+            return float("inf")
         if a and b:
             moved = max(moved, abs(a[0] - b[0]) if a[1] == b[1] else float("inf"))
     return moved

@@ -19,7 +19,7 @@ What the guard's hand-off checks (docs/pd.md) must catch.
   and handed out again before it landed): the other request's KV is overwritten with this one's,
   and this request's own page is left unwritten. Two victims: this request (at its landing) and
   the page's holder (at its next read, in the modes that verify reads). Needs two pages or more
-  and a running request holding a page.
+  and a running request holding a page of its own with 8 tokens or more still to decode.
 - ``transfer_wrong_room``: the destination pages are those of another request whose own
   transfer is still in flight (the latest in the transfer queue; as many of them as both have,
   this request's own beyond), as a prefill that matched a transfer to the wrong bootstrap room:
@@ -79,21 +79,32 @@ def truncated(pages: np.ndarray, queue) -> Fault | None:
     return Fault(pages[:-1], [int(pages[-1])])
 
 
+HOLDER_TOKENS_LEFT = 8  # a holder this far from done still reads its page when the bytes land
+
+
 def into_reused(pages: np.ndarray, queue) -> Fault | None:
     """The destination pages with the middle one naming the first page of the running request
-    with the most tokens still to decode; None for one page or no such request."""
+    with the most tokens still to decode (``HOLDER_TOKENS_LEFT`` at least, no prefix-cache page
+    shared); None for one page or no such request."""
     if len(pages) < 2:
         return None
     page_size = queue.token_to_kv_pool_allocator.page_size
     rows = queue.req_to_token_pool.req_to_token
+
+    def left(r) -> int:
+        return int(r.sampling_params.max_new_tokens) - len(r.output_ids)
+
     holders = [
         r
         for r in queue.scheduler.running_batch.reqs
-        if r.finished_reason is None and r.kv.kv_committed_len >= page_size
+        if r.finished_reason is None
+        and r.kv.kv_committed_len >= page_size
+        and r.kv.cache_protected_len == 0  # its first page is its own, not a cached prefix
+        and left(r) >= HOLDER_TOKENS_LEFT
     ]
     if not holders:
         return None
-    holder = max(holders, key=lambda r: r.sampling_params.max_new_tokens - len(r.output_ids))
+    holder = max(holders, key=left)
     k = (len(pages) - 1) // 2
     out = pages.copy()
     out[k] = int(rows[holder.kv.req_pool_idx, 0]) // page_size
@@ -111,8 +122,10 @@ def wrong_room(pages: np.ndarray, queue) -> Fault | None:
         other = pending.req
         if _is_fake_transfer(other) or other.finished_reason is not None:
             continue
+        if other.kv.cache_protected_len:  # pages of a cached prefix: other requests' too
+            continue
         n = len(other.origin_input_ids)
-        theirs = (rows[other.kv.req_pool_idx, 0:n:page_size] // page_size).numpy()
+        theirs = (rows[other.kv.req_pool_idx, 0:n:page_size] // page_size).cpu().numpy()
         k = min(len(theirs), len(pages))
         if k:
             out = np.concatenate([theirs[:k], pages[k:]])
@@ -152,8 +165,14 @@ def around_transfer_page_indices(original, queue, decode_req, *args, **kwargs):
         st.poll()  # an entry written since the last step is armed now
         if not st.pd_armed:
             return pages
-        for entry in st.pd_armed:  # the first armed entry this transfer fits
-            fault = FAULTS[entry["cls"]](np.asarray(pages), queue)
+        for entry in list(st.pd_armed):  # the first armed entry this transfer fits
+            try:
+                fault = FAULTS[entry["cls"]](np.asarray(pages), queue)
+            except Exception as exc:  # one broken entry holds back no other: dropped, logged
+                st.pd_armed.remove(entry)
+                st.log({"event": "injector_error", "id": entry["id"], "step": st.step,
+                        "error": repr(exc)})  # fmt: skip
+                continue
             if fault is not None:
                 break
         else:

@@ -134,6 +134,7 @@ FUZZ_NAMES = [
     ("sglang.srt.managers.schedule_batch.Req.kv", "attribute", "pd_faults", "the holder's KV bookkeeping"),
     (f"{_REQ_KV}.req_pool_idx", "attribute", "pd_faults", "the holder's row"),
     (f"{_REQ_KV}.kv_committed_len", "attribute", "pd_faults", "the holder has written a page"),
+    (f"{_REQ_KV}.cache_protected_len", "attribute", "pd_faults", "a holder's cached prefix pages are not its own"),
 ]
 # fmt: on
 

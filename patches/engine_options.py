@@ -146,8 +146,9 @@ OPTIONS: list[Row] = [
         "is aborted, not recomputed (docs/pd.md)", _PD_PAIR),
     Row("disaggregation_enable_kv_checksum", "--disaggregation-enable-kv-checksum", ON, GUARDED,
         "SGLang's own hand-off checksum (one Adler-32 per request, compared at admission to "
-        "decode; on CPU kvguard's host build of its digest) runs beside the guard's seal; a "
-        "request it aborts is released through release_kv_cache (hooked)",
+        "decode; on CPU kvguard's host build of its digest) runs beside the guard's seal, its "
+        "buffer apart from the seal's words; a request it aborts is released through "
+        "release_kv_cache (hooked)",
         "tests/test_pd_guard.py::test_retracted_requests_are_restored_checked_and_served"),
     Row("disaggregation_decode_retraction_backup", "--disaggregation-decode-retraction-backup",
         SET, GUARDED,

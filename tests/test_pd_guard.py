@@ -166,7 +166,9 @@ def test_retracted_requests_are_restored_checked_and_served(
         assert _violations(pair) == (0.0, 0.0)
         assert totals.get("kvguard_internal_errors_total", 0) == 0
         assert totals.get("kvguard_transfers_checked_total", 0) > 0
-        assert "KV checksum mismatch" not in pair.decode.log_tail(1_000_000)
+        log = pair.decode.log_tail(1_000_000)
+        # SGLang's checksum compared every transfer (a layout it cannot compare says "skipped")
+        assert "KV checksum mismatch" not in log and "KV checksum skipped" not in log
     except ServerDied as exc:
         pytest.fail(str(exc))
     finally:
