@@ -14,7 +14,9 @@ import requests
 from guarded_engine import guarded_engine, workload
 from tiny_model import serving_model
 
+from kvguard.fuzz.client import _top2
 from kvguard.fuzz.guard_faults import HOOKS
+from kvguard.fuzz.oracle import TIE_MARGIN, compare
 from kvguard.health import FAILURES_TO_FAIL_CLOSED
 
 pytestmark = pytest.mark.engine
@@ -73,6 +75,23 @@ def _generate(srv, prompt: str, n: int = 32) -> requests.Response:
     return requests.post(f"{srv.url}/generate", json=body, timeout=300)
 
 
+def _generate_top2(srv, prompt: str, n: int) -> requests.Response:
+    """A greedy completion with the two best tokens at each step (the oracle's tie test)."""
+    body = {
+        "text": prompt,
+        "sampling_params": {"temperature": 0, "max_new_tokens": n},
+        "return_logprob": True,
+        "top_logprobs_num": 2,
+    }
+    return requests.post(f"{srv.url}/generate", json=body, timeout=300)
+
+
+def _output(answer: dict) -> tuple[list[int], list]:
+    """(output ids, top-2 per output token) of a /generate answer, as the oracle compares them."""
+    top = answer["meta_info"]["output_top_logprobs"]
+    return answer["output_ids"], [_top2(pos) for pos in top]
+
+
 def test_a_storm_under_load_then_a_clean_request(serve_processes, tmp_path):
     """A bit flip injected at every decode step for 30 steps while requests keep arriving (48
     distinct prompts, 16 at a time): the server stays up, no output differs from the clean
@@ -86,17 +105,20 @@ def test_a_storm_under_load_then_a_clean_request(serve_processes, tmp_path):
     rng = random.Random(7)
     prompts = [f"{i}: " + " ".join(str(rng.randint(0, 999)) for _ in range(20)) for i in range(48)]
     with ThreadPoolExecutor(16) as ex:
-        reference = list(ex.map(lambda p: _generate(srv, p, 64).json(), prompts))
+        reference = list(ex.map(lambda p: _generate_top2(srv, p, 64).json(), prompts))
     plan = [{"id": i + 1, "cls": "bit_flip", "seed": i, "max_tries": 50} for i in range(30)]
     control.write_text(json.dumps({"plan": plan}))
     with ThreadPoolExecutor(16) as ex:
-        out = list(ex.map(lambda p: _generate(srv, p, 64), prompts))
+        out = list(ex.map(lambda p: _generate_top2(srv, p, 64), prompts))
     events = [json.loads(x) for x in log.read_text().splitlines()] if log.exists() else []
     steps = sorted(e["step"] for e in events if e.get("event") == "injected")
     assert len(steps) >= 25 and steps[-1] - steps[0] < 2 * len(steps), steps  # a step apart
     for resp, ref in zip(out, reference):
         if resp.status_code == 200:
-            assert resp.json()["output_ids"] == ref["output_ids"]
+            # a healed request is prefilled again: its KV is computed by another path, so a
+            # token whose two best were a near tie in the clean run may flip (the oracle's rule)
+            verdict, where = compare(_output(ref), _output(resp.json()), TIE_MARGIN)
+            assert verdict in ("clean", "near_tie"), (verdict, where)
         else:
             assert "KV cache integrity violation" in resp.text or "KVGuardFailedClosed" in resp.text
     assert sum(r.status_code != 200 for r in out) >= 1
