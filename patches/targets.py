@@ -764,5 +764,8 @@ SGLANG_NAMES = [
     ("sglang.srt.layers.moe.moe_runner.MoeRunnerConfig.apply_router_weight_on_input", "attribute", "int4_cpu_moe", "unsupported on CPU"),
     ("sglang.srt.layers.moe.moe_runner.MoeRunnerConfig.activation", "attribute", "int4_cpu_moe", "SiLU only"),
     ("sglang.srt.layers.moe.moe_runner.MoeRunnerConfig.gemm1_alpha", "attribute", "int4_cpu_moe", "plain SiLU-and-mul only"),
+    # -- every hook applied, or no start (hook_check.py) -----------------------------------------
+    ("sglang.srt.plugins.hook_registry.HookRegistry.apply_hooks", "callable", "hook_check", "wrapped: each row is checked as soon as SGLang applied every plugin's hooks"),
+    ("sglang.srt.plugins.hook_registry._wrap_fn", "callable", "hook_check", "its wrappers' code tells HookRegistry's wrappers, and the hook in each, apart"),
 ]
 # fmt: on

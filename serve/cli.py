@@ -30,6 +30,7 @@ from pathlib import Path
 from kvguard import logconfig
 from kvguard.config import ConfigError, GuardConfig, Mode, OnViolation
 from kvguard.patches.engine_options import refusals
+from kvguard.patches.hook_check import HooksNotApplied
 from kvguard.serve.preflight import (
     LaunchError,
     check_listen_address,
@@ -290,7 +291,11 @@ def serve(server_args) -> int:
     from sglang.srt.plugins import load_plugins
     from sglang.srt.utils import kill_process_tree
 
-    load_plugins()  # as `python -m sglang.launch_server` does: every installed plugin, kvguard too
+    try:  # as `python -m sglang.launch_server` does: every installed plugin, kvguard too
+        load_plugins()
+    except HooksNotApplied as e:  # a hook of kvguard's tables is not in place: nothing starts
+        print(f"{PROG}: error: {e.line}", file=sys.stderr)
+        return 2
     logging.getLogger("sglang.srt.entrypoints.http_server").addFilter(_freeze_gc_race)
     rc = 0
     try:
