@@ -5,7 +5,9 @@ Definition (the Triton kernel in ``kv_checksum.py`` reproduces it bit for bit):
     buffers b = [layer0 K, layer0 V, layer1 K, layer1 V, ...], each [num_slots, ...]
                 (or page-major, ``PageMajor``: slot s is row s % n of page s // n)
     word_b,j(s) = j-th little-endian uint32 word of slot s's row in buffer b
-    C[b, j]     = splitmix64(SEED + b * 2**32 + j) | 1            (odd)
+    C[b, j]     = odd word constants (``word_constants``): the high 31 bits of
+                  r = splitmix64(SEED + b * 2**32 + j), the low 33 bits
+                  +-(2 * perm31(cantor(b, j)) + 1) mod 2**33 (sign: bit 32 of r)
     inner(s)    = sum_b sum_j zext64(word_b,j(s)) * C[b, j]        (mod 2**64)
     poskey(p)   = splitmix64(POS_SEED + p)
     digest(s,p) = fmix64(inner(s) XOR poskey(p))
@@ -13,16 +15,22 @@ Definition (the Triton kernel in ``kv_checksum.py`` reproduces it bit for bit):
 
 All values are 64-bit; they are stored as torch.int64 (same bits, read signed).
 
-Properties:
-* Every single-bit flip in a slot's bytes changes the digest. Flipping bit k of
-  word (b, j) changes that word by d = +-2**k with 0 <= k < 32, so inner changes
-  by d * C[b, j] mod 2**64. C is odd, hence invertible mod 2**64, and
-  0 < |d| < 2**64, so d * C != 0 mod 2**64. XOR with a fixed poskey and fmix64
-  are bijections on 64-bit values, so the digest changes. (More generally any
-  change confined to a single word is always detected.)
+Properties (docs/design.md, "Checksum strength", has every fault model and its figures):
+* Every change confined to one word changes the digest: a change d with
+  0 < |d| < 2**32 changes inner by d * C mod 2**64, never 0 as C is odd;
+  XOR with a fixed poskey and fmix64 are bijections on 64-bit values.
+* Every two-bit flip in a token's KV changes its digest, wherever the bits are.
+  Flips of bits k1 < k2 in two words change inner by 2**k1 * (odd), never 0
+  (more generally: a fault is caught if an odd number of words change at its
+  least changed bit). Flips of the same bit k (< 32) in words u and v are
+  missed iff C_u = +-C_v mod 2**(64 - k), and no two constants agree mod 2**33
+  up to sign: their low 33 bits are +-(2 * perm31(i) + 1) with i = cantor(b, j)
+  injective and below 2**31 while b + j <= MAX_INDEX_SUM (perm31 a bijection of
+  31-bit values). Random constants would have ~N**2 * 2**-31 such blind pairs
+  among a token's N words (a few at 80k words), each blind in every token.
 * Moving a row to another slot/position changes its poskey; reorderings and
-  multi-word corruptions are missed only with probability ~2**-64 (inner is a
-  random-coefficient linear form; fmix64 spreads it before the block sum).
+  random multi-word corruptions are missed with probability ~2**-64 (inner
+  is a pseudo-random linear form; fmix64 spreads it before the block sum).
 
 Implementation notes: torch int64 ``+``/``*``/``sum``/``index_add_`` wrap
 mod 2**64 (checked by the tests); torch ``>>`` on int64 is arithmetic, so the
@@ -111,13 +119,48 @@ def poskey_cpu(positions: torch.Tensor) -> torch.Tensor:
     return _POSKEY_TABLE[positions]
 
 
+# Version of the token digest's definition: 2 since the word constants' low 33 bits are
+# constructed (no blind two-bit pairs). Servers that compare seals (the PD hand-off) fold it into
+# their layout signature, so two versions never compare digests.
+DIGEST_VERSION = 2
+
+# The low bits of the word constants: 33 of them are constructed, distinct up to sign per (b, j).
+LOW_BITS = 33
+_LOW_MASK = (1 << LOW_BITS) - 1
+_M31 = (1 << 31) - 1
+_PERM_SEED = SEED & _M31
+_PERM_M1, _PERM_M2 = 0x2C1B3C6D, 0x297A2D39  # odd: x -> x * M mod 2**31 is a bijection
+# Largest b + j for which cantor(b, j) < 2**31: the constructed bits are distinct up to sign for
+# every (b, j) with b + j <= MAX_INDEX_SUM (e.g. 32,767 buffers of rows up to 32,768 words).
+MAX_INDEX_SUM = 65534
+
+
+def perm31(x: torch.Tensor) -> torch.Tensor:
+    """A bijection of [0, 2**31) (xor-shift / odd-multiply rounds, each invertible mod 2**31):
+    spreads the constructed low bits so they carry no arithmetic progression (which would let
+    three- and four-word faults cancel). Inputs are masked to 31 bits; no step overflows int64."""
+    x = (x & _M31) ^ _PERM_SEED
+    x = ((x ^ (x >> 16)) * _PERM_M1) & _M31
+    x = ((x ^ (x >> 15)) * _PERM_M2) & _M31
+    return x ^ (x >> 16)
+
+
+def cantor(b: torch.Tensor, j: torch.Tensor) -> torch.Tensor:
+    """Cantor's pairing of (b, j): injective on all pairs, below 2**31 while b + j <= 65534."""
+    s = b + j
+    return s * (s + 1) // 2 + j
+
+
 _CONST_CACHE: dict[tuple[int, int, str], torch.Tensor] = {}
 
 
 def word_constants(
     num_buffers: int, words_per_row: int, device: torch.device | str | None = None
 ) -> torch.Tensor:
-    """int64 [num_buffers, words_per_row]; C[b, j] = splitmix64(SEED + b*2**32 + j) | 1.
+    """int64 [num_buffers, words_per_row], the odd word constants C[b, j]: r = splitmix64(SEED +
+    b*2**32 + j) with its low 33 bits replaced by +-(2 * perm31(cantor(b, j)) + 1) mod 2**33, the
+    sign bit 32 of r. No two constants with b + j <= ``MAX_INDEX_SUM`` agree mod 2**33 up to sign
+    (docs/design.md, "Checksum strength"). Every implementation reads this one table.
 
     C[b, j] depends only on (b, j), so a table built for a larger
     ``words_per_row`` agrees with a smaller one on the common prefix.
@@ -129,7 +172,10 @@ def word_constants(
         b = torch.arange(num_buffers, dtype=torch.int64).unsqueeze(1)
         j = torch.arange(words_per_row, dtype=torch.int64).unsqueeze(0)
         # b * 2**32 wraps harmlessly for b >= 2**31 (never in practice).
-        c = (splitmix64(to_signed64(SEED) + (b << 32) + j) | 1).to(device)
+        r = splitmix64(to_signed64(SEED) + (b << 32) + j)
+        low = 2 * perm31(cantor(b, j)) + 1  # odd, in [1, 2**32)
+        low = torch.where(_lsr(r, 32) & 1 == 1, (1 << LOW_BITS) - low, low)  # -low mod 2**33
+        c = ((r & to_signed64(MASK64 ^ _LOW_MASK)) | low).to(device)
         _CONST_CACHE[key] = c
     return c
 

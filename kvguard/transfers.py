@@ -28,7 +28,7 @@ import torch
 
 from kvguard.kernels import guard_ref
 from kvguard.kernels.guard_state import EPOCH_STEP_SHIFT
-from kvguard.kernels.kv_checksum_ref import KvBuffer, row_words
+from kvguard.kernels.kv_checksum_ref import DIGEST_VERSION, KvBuffer, row_words
 from kvguard.ledger import PageLedger
 from kvguard.records import RowRecords
 
@@ -162,7 +162,8 @@ class TransferClaims:
 
 def layout_signature(buffers: Sequence[KvBuffer], *shape: int) -> int:
     """A 31-bit word naming the layout a seal was taken under: each guarded buffer's row width in
-    words and element type, and ``shape`` (page size, TP rank and size). Two servers compare
-    seals only when their words agree: other layouts hash other bytes for the same KV."""
+    words and element type, ``shape`` (page size, TP rank and size) and the digest's definition
+    (``DIGEST_VERSION``). Two servers compare seals only when their words agree: other layouts
+    hash other bytes for the same KV, other versions hash them differently."""
     rows = [(int(row_words(b).shape[-1]), str(getattr(b, "dtype", "page-major"))) for b in buffers]
-    return zlib.crc32(repr((rows, shape)).encode()) & 0x7FFFFFFF
+    return zlib.crc32(repr((rows, shape, DIGEST_VERSION)).encode()) & 0x7FFFFFFF

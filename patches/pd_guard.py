@@ -127,7 +127,8 @@ def _sent_seal(queue, decode_req) -> tuple[int | None, int | None]:
     if signature != _signature():
         _say_once(
             "kvguard_transfer_unsealed",
-            why="the prefill server's KV layout (buffers, dtype, page size, TP shard) differs",
+            why="the prefill server's KV layout (buffers, dtype, page size, TP shard) or digest "
+            "version differs",
         )
         return None, None
     if marker == SEAL_UNVOUCHED:

@@ -43,8 +43,22 @@ def py_fmix64(x: int) -> int:
     return x ^ (x >> 33)
 
 
+def py_perm31(x: int) -> int:
+    m31 = (1 << 31) - 1
+    x = (x & m31) ^ (ref.SEED & m31)
+    x = ((x ^ (x >> 16)) * 0x2C1B3C6D) & m31
+    x = ((x ^ (x >> 15)) * 0x297A2D39) & m31
+    return x ^ (x >> 16)
+
+
 def py_const(b: int, j: int) -> int:
-    return py_splitmix64((ref.SEED + b * 2**32 + j) & M64) | 1
+    """splitmix64(SEED + b * 2**32 + j), its low 33 bits +-(2 * perm31(cantor(b, j)) + 1)."""
+    r = py_splitmix64((ref.SEED + b * 2**32 + j) & M64)
+    s = b + j
+    low = 2 * py_perm31(s * (s + 1) // 2 + j) + 1
+    if (r >> 32) & 1:
+        low = (1 << 33) - low
+    return (r >> 33 << 33) | low
 
 
 def py_row_bytes(buf: torch.Tensor, s: int) -> bytes:
@@ -112,6 +126,8 @@ def test_word_constants_match_bigint_and_are_odd():
     c = word_constants(3, 7, "cpu")
     assert c.shape == (3, 7) and c.dtype == torch.int64
     assert [u64(row) for row in c] == [[py_const(b, j) for j in range(7)] for b in range(3)]
+    far = word_constants(3, 65000, "cpu")  # large (b, j): no overflow in the construction
+    assert u64(far[2, -3:]) == [py_const(2, j) for j in range(64997, 65000)]
     assert bool((c & 1).eq(1).all())
     # prefix-consistent across table widths
     assert torch.equal(word_constants(3, 12, "cpu")[:, :7], c)
