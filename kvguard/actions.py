@@ -29,6 +29,11 @@ class EngineControl(Protocol):
         """How often this request was sent back to be recomputed so far."""
         ...
 
+    def emitted(self, request_handle: object) -> int:
+        """Output tokens of this request already appended (and sent), before this step's: what
+        a recompute keeps."""
+        ...
+
     def recomputing(self, request_handle: object) -> bool:
         """Already on its way to a re-prefill (sent back and not re-queued yet, or retracted by
         the engine itself): a step in flight that read its old KV changes nothing."""
@@ -106,7 +111,7 @@ class Actions:
             violation.action, violation.recomputes = "recompute", done
             self._record(violation)
             return True
-        why = self.healing.why_not(violation.kinds, done, breaker_open)
+        why = self.healing.why_not(violation.kinds, done, breaker_open, self.engine.emitted(handle))
         if why is None:
             violation.action, violation.recomputes = "recompute", done + 1
             if self.engine.recompute(handle, violation):

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from kvguard.config import GuardConfig, Mode
+from kvguard.config import GuardConfig, Mode, ReadPath
 from kvguard.kernels.guard_ref import CheckParams, StepCheck, StepInputs
 from kvguard.kernels.kv_checksum_ref import KvBuffer
 from kvguard.ledger import PageLedger
@@ -33,6 +33,7 @@ class StepChecker:
     ):
         self.ledger = ledger
         self.records = records
+        self._hashed = False  # see ``read_path``
         self.config = config  # a property: the mode's constants are worked out once
         # every stored byte: slot-major tensors ([k0, v0, ...] or latents), then page-major
         # views (DSA's index keys and scales)
@@ -42,9 +43,18 @@ class StepChecker:
         # Set by the guard after a quarantine, until the engine flushes its caches: every read is
         # verified (as in paranoid), so readers of a quarantined page whose bytes are intact go on.
         self.escalated = False
-        # Verified reads need the attention backend's read to be hashed (the adapter says so);
-        # where it cannot be, every read is verified before the forward instead.
-        self.read_path = False
+
+    @property
+    def read_path(self) -> bool:
+        """The adapter hashes the attention backend's read (set once at start). Verified reads
+        need it; where it cannot be, every read is verified before the forward instead
+        (``GuardConfig.read_path``: the read path in force)."""
+        return self._hashed
+
+    @read_path.setter
+    def read_path(self, hashed: bool) -> None:
+        self._hashed = hashed
+        self._pre_forward = self._config.read_path(hashed) is ReadPath.PRE_FORWARD_CHECK
 
     @property
     def config(self) -> GuardConfig:
@@ -58,7 +68,7 @@ class StepChecker:
         self._config = c
         self._sampling = c.mode is Mode.SAMPLED and c.sweep_tokens_per_step > 0
         self._paranoid = c.mode is Mode.PARANOID
-        self._verified = c.mode is Mode.VERIFIED
+        self._pre_forward = c.read_path(self._hashed) is ReadPath.PRE_FORWARD_CHECK
         self._window_budget = max(1, -(-c.sweep_tokens_per_step // ps))
         self._sweep_budget = min(
             num_pages, max(1, -(-(c.sweep_tokens_per_step // 4) * SWEEP_EVERY // ps))
@@ -75,11 +85,7 @@ class StepChecker:
 
     def params(self, step: int, read_pages: int) -> CheckParams:
         checksums = self._config.checksums
-        verify_all = (
-            self._paranoid
-            or (checksums and self.escalated)
-            or (self._verified and not self.read_path)
-        )
+        verify_all = self._paranoid or (checksums and self.escalated) or self._pre_forward
         window = sweep = 0
         start = 0
         if self._sampling:

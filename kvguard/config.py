@@ -29,6 +29,20 @@ class OnViolation(str, Enum):
     RECOMPUTE = "recompute"
 
 
+class ReadPath(str, Enum):
+    """How the reads of a mode that verifies them are verified on this server: decided once,
+    from the mode and whether the adapter hashes the attention backend's read
+    (:meth:`GuardConfig.read_path`); healing keeps a request's tokens only on the first."""
+
+    # every byte attention reads is hashed as it reads it and judged before the step's tokens
+    # leave: every emitted token came from verified bytes
+    VERIFIED_IN_ATTENTION = "verified_in_attention"
+    # every read is checked before the forward (another attention backend, a GPU pool): bytes
+    # that change during the forward are consumed, and only the next step's check sees them
+    PRE_FORWARD_CHECK = "pre_forward_check"
+    NONE = "none"  # the mode does not verify every read (tags, sampled)
+
+
 MIN_CAP_PAGES = 16  # the quarantine cap's floor, in pages
 
 
@@ -102,8 +116,17 @@ class GuardConfig:
 
     @property
     def verifies_reads(self) -> bool:
-        """Attention's own reads are hashed and judged before the step's tokens leave."""
+        """The mode asks for every read to be verified (how: :meth:`read_path`)."""
         return self.mode in (Mode.VERIFIED, Mode.PARANOID)
+
+    def read_path(self, hashed_in_attention: bool) -> ReadPath:
+        """The read path in force under this mode, given whether the adapter hashes the attention
+        backend's read. The one place that decides it (``Guard.read_path``)."""
+        if not self.verifies_reads:
+            return ReadPath.NONE
+        if hashed_in_attention:
+            return ReadPath.VERIFIED_IN_ATTENTION
+        return ReadPath.PRE_FORWARD_CHECK
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None, **overrides: Any) -> GuardConfig:

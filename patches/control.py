@@ -50,6 +50,9 @@ class SGLangControl:
     def recomputes(self, req) -> int:
         return getattr(req, "kvguard_recomputes", 0)
 
+    def emitted(self, req) -> int:
+        return len(req.output_ids)
+
     def recomputing(self, req) -> bool:
         if req.finished():
             return False

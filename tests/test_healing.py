@@ -11,8 +11,8 @@ import torch
 from prometheus_client import CollectorRegistry
 
 from kvguard.actions import Actions
-from kvguard.config import GuardConfig
-from kvguard.healing import WINDOW_S, HealPolicy
+from kvguard.config import GuardConfig, ReadPath
+from kvguard.healing import WINDOW_S, WRITE_KINDS, HealPolicy
 from kvguard.kernels.backend import select
 from kvguard.ledger import PageLedger
 from kvguard.metrics import GuardMetrics
@@ -48,6 +48,7 @@ class Control:
         self.count: dict[str, int] = {}
         self.pending: set[str] = set()
         self.aborted: list[str] = []
+        self.sent: dict[str, int] = {}  # output tokens already sent, per request
 
     def abort(self, handle, violation):
         self.aborted.append(handle)
@@ -55,6 +56,9 @@ class Control:
 
     def recomputes(self, handle):
         return self.count.get(handle, 0)
+
+    def emitted(self, handle):
+        return self.sent.get(handle, 0)
 
     def recomputing(self, handle):
         return handle in self.pending
@@ -70,10 +74,12 @@ class Control:
         return 0
 
 
-def _actions(control, clock=None, **config):
+def _actions(control, clock=None, hashed=True, **config):
+    """``hashed``: the attention read is hashed (the read path in force is then the mode's
+    verified_in_attention); False: the fallback, a pre-forward check."""
     metrics = GuardMetrics(CollectorRegistry())
     cfg = GuardConfig(**config)
-    policy = HealPolicy(cfg, metrics, clock or Clock())
+    policy = HealPolicy(cfg, metrics, clock or Clock(), read_path=lambda: cfg.read_path(hashed))
     ledger = PageLedger(64, 1, torch.device("cpu"), select(torch.device("cpu"), "torch"))
     return Actions(ledger, metrics, control, healing=policy), metrics
 
@@ -149,6 +155,93 @@ def test_an_engine_that_cannot_requeue_aborts():
     actions.act([v], ["a"])
     assert control.aborted == ["a"] and v.action == "abort" and v.recomputes == 0
     assert "requeue" in v.why_not_healed
+
+
+@pytest.mark.parametrize("mode", ["verified", "paranoid"])
+@pytest.mark.parametrize("kinds", [Kind.READ_MISMATCH, Kind.CHECKSUM_MISMATCH, Kind.WRONG_OWNER])
+def test_tokens_kept_only_where_reads_were_verified_in_attention(mode, kinds):
+    """The read path in force decides, not the mode. Hashed in attention: a request that already
+    sent tokens is healed (they came from verified reads). A pre-forward check: the bytes behind
+    its last token may have changed after that check, so it is aborted, and the record says why;
+    one that sent nothing yet (a prefill) is still healed."""
+    verified = Control()
+    actions, _ = _actions(verified, mode=mode, hashed=True)
+    verified.sent["a"] = 5
+    v = _violation("a", kinds)
+    actions.act([v], ["a"])
+    assert verified.pending == {"a"} and not verified.aborted
+    assert (v.action, v.why_not_healed) == ("recompute", None)
+
+    fallback = Control()
+    actions, metrics = _actions(fallback, mode=mode, hashed=False)
+    fallback.sent["a"] = 5
+    v, fresh = _violation("a", kinds), _violation("b", kinds)
+    actions.act([v, fresh], ["a", "b"])
+    assert fallback.aborted == ["a"] and fallback.pending == {"b"}
+    assert v.action == "abort" and v.recomputes == 0
+    assert "pre_forward_check" in v.why_not_healed and "5 token(s)" in v.why_not_healed
+    assert v.as_event()["why_not_healed"] == v.why_not_healed
+    assert fresh.action == "recompute"
+    assert _value(metrics.requests_aborted) == 1 and _value(metrics.requests_recomputed) == 1
+
+
+@pytest.mark.parametrize("kinds", [Kind.TABLE_MISMATCH, Kind.OVERWRITE, Kind.DOUBLE_ALLOCATION])
+def test_a_write_refused_before_it_lands_is_healed_on_either_path(kinds):
+    """A violation found on the step's own writes alone (firewalled before the forward) says
+    nothing of what the request read: healed on the pre-forward path too. With a read kind
+    beside it, it is a read violation."""
+    assert kinds & WRITE_KINDS
+    for hashed in (True, False):
+        control = Control()
+        actions, _ = _actions(control, hashed=hashed)
+        control.sent.update(a=3, b=3)
+        actions.act([_violation("a", kinds)], ["a"])
+        assert control.pending == {"a"} and not control.aborted
+        actions.act([_violation("b", kinds | Kind.WRONG_OWNER)], ["b"])
+        assert ("b" in control.aborted) is not hashed
+
+
+def test_without_a_read_path_the_policy_assumes_the_weaker():
+    """A policy not told the read path in force takes the mode's fallback (pre-forward check),
+    never the stronger one; tags and sampled verify no read at all."""
+    metrics = GuardMetrics(CollectorRegistry())
+    policy = HealPolicy(GuardConfig(), metrics)
+    assert policy.read_path() is ReadPath.PRE_FORWARD_CHECK
+    assert "pre_forward_check" in policy.why_not(Kind.READ_MISMATCH, 0, False, 1)
+    assert policy.why_not(Kind.READ_MISMATCH, 0, False, 0) is None
+    for mode in ("tags", "sampled"):
+        policy = HealPolicy(GuardConfig(mode=mode), metrics)
+        assert policy.read_path() is ReadPath.NONE
+        assert f"mode {mode}" in policy.why_not(Kind.READ_MISMATCH, 0, False, 0)
+
+
+@pytest.mark.parametrize("mode", ["verified", "paranoid", "sampled", "tags"])
+def test_the_guard_decides_the_read_path_once(mode):
+    """``Guard.read_path`` is the one decision: what healing asks, what ``verifies_reads`` and
+    the status (/server_info) say, and whether the step check verifies every read before the
+    forward, before and after the adapter enables the hashed attention read, and when the mode
+    is switched at run time."""
+    from kvguard.bench.synthetic_pool import SyntheticPool
+
+    pool = SyntheticPool(page_size=4, num_pages=32, mode=mode, kernels="torch")
+    guard = pool.guard
+    verifying = mode in ("verified", "paranoid")
+
+    def agree(expected):
+        assert guard.read_path is expected
+        assert guard.healing.read_path() is expected
+        assert guard.status()["read_path"] == expected.value
+        assert guard.verifies_reads is (expected is ReadPath.VERIFIED_IN_ATTENTION)
+        verify_all = guard.checker.params(1, 1).verify_all
+        assert verify_all is (expected is ReadPath.PRE_FORWARD_CHECK or mode == "paranoid")
+
+    agree(ReadPath.PRE_FORWARD_CHECK if verifying else ReadPath.NONE)
+    guard.enable_read_path()
+    agree(ReadPath.VERIFIED_IN_ATTENTION if verifying else ReadPath.NONE)
+    guard.set_mode("tags")
+    assert guard.read_path is ReadPath.NONE and guard.healing.read_path() is ReadPath.NONE
+    guard.set_mode(mode)
+    agree(ReadPath.VERIFIED_IN_ATTENTION if verifying else ReadPath.NONE)
 
 
 def test_breaker_opens_past_the_rate_and_closes_as_it_falls():
