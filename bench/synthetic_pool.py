@@ -15,6 +15,7 @@ keys; ``kv_buffers`` guards a real pool's buffers (``patches.adapter.guarded_kv_
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -26,7 +27,7 @@ from kvguard.guard import Guard
 from kvguard.kernels.backend import GuardKernels
 from kvguard.kernels.kv_checksum_ref import KvBuffer, PageMajor, page_major, row_words
 from kvguard.metrics import GuardMetrics
-from kvguard.step import ReadSums, StepView
+from kvguard.step import ReadSums, StepView, WriteSums
 from kvguard.verdict import StepVerdict, Violation
 
 structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.CRITICAL))
@@ -67,6 +68,9 @@ class _Engine:
     def recomputes(self, request_handle: object) -> int:
         return 0
 
+    def emitted(self, request_handle: object) -> int:
+        return 0  # no client: nothing was sent
+
     def recomputing(self, request_handle: object) -> bool:
         return False
 
@@ -97,6 +101,7 @@ class SyntheticPool:
         device: str = "cpu",
         index_layers: int = 0,
         kv_buffers: Sequence[KvBuffer] | None = None,
+        writer_digests: bool = True,
     ):
         self.ps = page_size
         self.device = dev = torch.device(device)
@@ -120,6 +125,8 @@ class SyntheticPool:
             kernels=kernels,
             engine=_Engine(self),
         )
+        if writer_digests:  # seals take the writer's digests, as a CPU engine's do
+            self.guard.enable_write_path()
         self.free_pages = list(range(1, num_pages))  # page 0: the engine's padding page
         self.free_rows = list(range(1, num_rows))  # row 0: padding
         self.step = 0
@@ -173,13 +180,16 @@ class SyntheticPool:
         prefix_hit: bool | None = None,
         redirect: dict[tuple[str, int], int] | None = None,
         before_resolve: Callable[[], None] | None = None,
+        astray: dict[tuple[str, int], int] | None = None,
     ) -> StepVerdict:
         """One forward: each request writes its next ``new_tokens`` tokens (an extend step when
         more than one, or when a request's first forward, else decode). ``redirect`` maps
         (request id, position) to a slot the engine wrongly writes (and records in the table)
         instead of the one it allocated. ``before_resolve``: engine events between the forward and
         the reading of its verdict (an overlap scheduler checkpoints a chunk into the prefix
-        cache then)."""
+        cache then). ``astray`` maps (request id, position) to where that token's store really
+        lands (-1: nowhere), the table and the write list still naming the allocated slot (a
+        store that never lands, or lands elsewhere)."""
         ps = self.ps
         counts = [new_tokens] * len(reqs) if isinstance(new_tokens, int) else list(new_tokens)
         live = [(r, n) for r, n in zip(reqs, counts) if not r.aborted]  # aborted: out of the batch
@@ -230,9 +240,17 @@ class SyntheticPool:
             request_ids=[r.rid for r in reqs],
         )
         verdict = self.guard.before_forward(view)
-        self.write_kv(view.write_slots, view.write_tokens, view.write_pos)  # after the firewall
+        landing = None
+        if astray:
+            landing = view.write_slots.clone()
+            for j, key in enumerate((reqs[b].rid, p) for b, p in zip(batch_all, pos_all)):
+                if key in astray:
+                    landing[j] = astray[key]
+        written = self.write_kv(  # after the firewall
+            view.write_slots, view.write_tokens, view.write_pos, landing
+        )
         read = self._attention_read(reqs, counts) if self.guard.verifies_reads else None
-        self.guard.after_forward(verdict, read)
+        self.guard.after_forward(verdict, read, written if self.guard.write_path else None)
         if self.trace is not None:
             self.trace.append(self.snapshot(verdict))
         if before_resolve is not None:
@@ -266,21 +284,41 @@ class SyntheticPool:
         req_rows = torch.tensor([r.row for r in reqs], dtype=torch.int64, device=self.device)
         return ReadSums(rows, lens, req_rows, acc, hashed)
 
-    def write_kv(self, slots: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor) -> None:
-        """The forward's KV writes: bytes a function of (token, position, buffer)."""
+    def write_kv(
+        self,
+        slots: torch.Tensor,
+        tokens: torch.Tensor,
+        positions: torch.Tensor,
+        landing: torch.Tensor | None = None,
+    ) -> WriteSums:
+        """The forward's KV writes: bytes a function of (token, position, buffer), and the
+        writer's digests of them (``WriteSums``: what the guard seals where it takes writers'
+        digests). ``landing`` [N]: where each store really lands (-1: it never lands), for the
+        fault where a store goes astray; default ``slots``."""
+        from kvguard.kernels import read_verify_ref as ref
+
+        dest = slots if landing is None else landing
+        keep = dest >= 0
+        dest = dest[keep]
+        acc = torch.zeros(slots.numel(), dtype=torch.int64, device=slots.device)
         for i, b in enumerate(self.bufs):
             val = ((tokens * 31 + positions * 7 + i * 13) % 251).to(torch.uint8)
             if isinstance(b, PageMajor) or b.dtype != torch.uint8:  # a real pool's: as bytes
                 rows = row_words(b).view(torch.uint8)
                 step = torch.arange(rows.shape[-1], dtype=torch.uint8, device=rows.device)
+                meant = val[:, None] + step
                 if rows.dim() == 2:
-                    rows[slots] = val[:, None] + step
+                    rows[dest] = meant[keep]
                 else:  # page-major: slot s is row s % per_page of page s // per_page
-                    rows[slots // rows.shape[1], slots % rows.shape[1]] = val[:, None] + step
-                continue
-            b[slots] = val[:, None, None].expand(-1, b.shape[1], b.shape[2]) + torch.arange(
-                b.shape[2], dtype=torch.uint8, device=b.device
-            )
+                    rows[dest // rows.shape[1], dest % rows.shape[1]] = meant[keep]
+            else:
+                meant = val[:, None, None].expand(-1, b.shape[1], b.shape[2]) + torch.arange(
+                    b.shape[2], dtype=torch.uint8, device=b.device
+                )
+                b[dest] = meant[keep]
+            row_bytes = math.prod(meant.shape[1:])
+            ref.hash_rows(meant, ref.buffer_constants(i, row_bytes).to(acc.device), acc)
+        return WriteSums(acc, list(range(len(self.bufs))))
 
     def share(self, req: Request, num_pages: int | None = None) -> None:
         """The prefix cache takes the request's first (full) pages."""

@@ -329,6 +329,10 @@ class Watch:
         self._contested: list[tuple[int, object, int]] = []
         self._pending: set[int] = set()  # their slots: not judged for this forward's readers yet
         self._in_flight: dict[int, Content] = {}  # ``transient`` of this forward, for after it
+        # slot -> step: this step's write there is garbled by the injection itself (a store that
+        # never lands, or is changed before its read): it keeps what ``contents`` says
+        self.garbled: dict[int, int] = {}
+        self._step = step  # the step being judged
 
     def reopen(self, step: int) -> None:
         self.last_event = step
@@ -357,9 +361,10 @@ class Watch:
         writer's, or a contested one: see ``Scan``) waits for the bytes: applied after the
         forward if it landed, and this forward's readers of its slot are judged then."""
         restarted = self._restarted(scan, step)
+        self._step = step
         self._checks, self._contested = [], []
         for req, pos, slot in scan.writes:
-            if slot // self.ps not in self.pages:
+            if slot // self.ps not in self.pages or self.garbled.get(slot) == step:
                 continue
             content = Written(namespace(req), pos, req, poisoned=req.rid in self.poisoned)
             if req.rid in self.foreign:
@@ -483,8 +488,10 @@ class Watch:
         """Why this holder reads (or will read) wrong KV through a watched page; None if not."""
         why = None
         for slot, pos in mine:
-            if pos >= h.committed:
+            garbled_now = h.in_batch and self.garbled.get(slot) == self._step
+            if pos >= h.committed and not garbled_now:
                 continue  # allocated, not written yet: not read
+            # (a write of this very forward that the injection garbled: its writer reads it now)
             if h.in_batch and slot in self._pending:
                 continue  # what it reads there in this forward is known after it
             if slot // self.ps in scan.free:

@@ -12,6 +12,7 @@ which only exposed. The KV bytes are touched through ``kvbytes`` (MHA and MLA po
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 
 import torch
 
@@ -403,6 +404,113 @@ def in_forward_flip(sched, batch, rng, step):
     return Injection("in_forward_flip", step, watch, detail, disarm=disarm)
 
 
+def _store_gone_astray(cls: str, sched, batch, rng, step, elsewhere: bool, flip: bool = False):
+    """A running decode request's new token: its store, in every layer, never lands (its slot
+    keeps the bytes it held), lands in another slot (a resting token of another running request,
+    else of its own), or (``flip``) lands and has one exponent bit of its row flipped before
+    attention reads it: what attention of this very forward reads there is not what the layer
+    stored. Made inside SGLang's real store, after the write firewall judged the slot: the pool's
+    ``set_kv_buffer`` is wrapped on the pool object (outside every class-level hook, kvguard's
+    included) for this step only; on a CPU DSA pool, whose latent store is ``dsa_cpu``'s own,
+    that store is."""
+    reqs = _decode_reqs(batch)
+    loc = getattr(batch, "out_cache_loc", None)
+    if not reqs or loc is None or loc.numel() != len(batch.reqs):
+        return None
+    req = rng.choice(reqs)
+    slot = int(loc[batch.reqs.index(req)])
+    other = None
+    if elsewhere:
+        others = [r for r in reqs if r is not req] or [req]
+        found = _resting_slot(sched, SimpleNamespace(reqs=others, forward_mode=batch.forward_mode),
+                              rng)  # fmt: skip
+        if found is None:
+            return None
+        other = found
+    pool = _pool(sched)
+    first = getattr(pool, "start_layer", 0) or 0
+    layers = kvbytes.num_layers(pool)
+    detail = {"rid": req.rid, "slot": slot, "fired": False, "layers": 0}
+    if other is not None:
+        detail.update(holder=other[0].rid, holder_slot=other[2], holder_pos=other[1])
+
+    def damage(lid, saved) -> None:  # right after layer lid's store of the new token
+        bufs = list(kvbytes.layer_buffers(pool, lid - first).values())
+        if flip:  # the first layer's K (or latent) row, between store and read
+            if not detail["fired"]:
+                detail["fired"] = True
+                detail["layers"] = 1
+                detail.update(kvbytes.flip_exponent(bufs[0], slot))
+            return
+        detail["fired"] = True
+        detail["layers"] += 1
+        for b, old in zip(bufs, saved):
+            if other is not None:
+                b[other[2]] = b[slot]  # the row lands on the other token
+            b[slot] = old  # and never where it was meant
+
+    def rows_before(lid) -> list:
+        return [b[slot].clone() for b in kvbytes.layer_buffers(pool, lid - first).values()]
+
+    if kvbytes.is_dsa(pool):  # the CPU DSA path stores its latent itself (dsa_cpu.write_latent)
+        from kvguard.patches import dsa_cpu
+
+        inner_latent = dsa_cpu.write_latent
+
+        def write_latent(pool_, layer, loc, k):
+            saved = rows_before(layer.layer_id)
+            inner_latent(pool_, layer, loc, k)
+            damage(layer.layer_id, saved)
+
+        dsa_cpu.write_latent = write_latent
+
+        def disarm():
+            if dsa_cpu.write_latent is write_latent:
+                dsa_cpu.write_latent = inner_latent
+
+    else:
+        inner = pool.set_kv_buffer  # bound: SGLang's store with every class-level hook around it
+
+        def store(layer, loc_info, *args, **kwargs):
+            lid = getattr(layer, "layer_id", None)
+            saved = rows_before(lid) if lid is not None else None
+            out = inner(layer, loc_info, *args, **kwargs)
+            if saved is not None:
+                damage(lid, saved)
+            return out
+
+        pool.set_kv_buffer = store
+
+        def disarm():
+            if pool.__dict__.get("set_kv_buffer") is store:
+                del pool.set_kv_buffer
+
+    garbage = {slot: Garbage(cls)}
+    if other is not None:
+        garbage[other[2]] = Garbage(cls)
+    detail["num_layers"] = layers
+    watch = Watch(_ps(sched), step, garbage)
+    watch.garbled[slot] = step  # this forward's own write there is what goes wrong
+    return Injection(cls, step, watch, detail, disarm=disarm)
+
+
+def lost_store(sched, batch, rng, step):
+    """A store that never lands: the new token's slot keeps its old bytes in every layer."""
+    return _store_gone_astray("lost_store", sched, batch, rng, step, elsewhere=False)
+
+
+def flipped_store(sched, batch, rng, step):
+    """A byte changed between a layer's store and its read: the new token's row, just stored, has
+    an exponent bit flipped before attention of the same layer reads it."""
+    return _store_gone_astray("flipped_store", sched, batch, rng, step, False, flip=True)
+
+
+def misdirected_store(sched, batch, rng, step):
+    """A store that lands elsewhere: the new token's rows overwrite another running request's
+    resting token (its own, when it runs alone), its own slot keeping its old bytes."""
+    return _store_gone_astray("misdirected_store", sched, batch, rng, step, elsewhere=True)
+
+
 def stale_writer(sched, batch, rng, step):
     """GLM-5 PD race / sglang #24527: a transfer issued for one request lands after its pages
     were reused: snapshot a page now, write the old bytes back once another request holds it and
@@ -589,4 +697,7 @@ INJECTORS = {
     "in_forward_flip": in_forward_flip,
     "index_key_flip": index_key_flip,  # DSA pools only (POOL_CLASSES)
     "index_key_misplaced": index_key_misplaced,
+    "lost_store": lost_store,
+    "misdirected_store": misdirected_store,
+    "flipped_store": flipped_store,
 }

@@ -53,6 +53,7 @@ class GuardKernels(Protocol):
         buffers: Sequence[KvBuffer],
         page_size: int,
         checksums: bool,
+        written: torch.Tensor | None = None,
     ) -> torch.Tensor | None: ...
 
     def alloc_pages(

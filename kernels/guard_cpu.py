@@ -271,14 +271,21 @@ class CpuKernels:
         buffers: Sequence[KvBuffer],
         page_size: int,
         checksums: bool,
+        written: torch.Tensor | None = None,
     ) -> None:
         assert isinstance(c, CpuStepCheck)
         ctx = self._ctx
         assert ctx is not None
         wpos = c._keep[2]
         assert isinstance(wpos, torch.Tensor)
+        w_addr = 0
+        if written is not None and checksums:
+            written = _need(written, _I64, "written")
+            if written.numel() != c._n:
+                raise ValueError(f"seal_step: {written.numel()} writer sums for {c._n} writes")
+            w_addr = written.data_ptr()
         c.sealed_hashed = C.seal_step(
-            ctx.addr, c._n, wpos.data_ptr(), page_size, int(checksums), c.ws.out_addr
+            ctx.addr, c._n, wpos.data_ptr(), page_size, int(checksums), c.ws.out_addr, w_addr
         )
         # the count is read through check.tokens_hashed()
 

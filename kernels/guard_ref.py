@@ -55,7 +55,7 @@ from .guard_state import (
     PageState,
     RowArrays,
 )
-from .kv_checksum_ref import KvBuffer, fmix64, splitmix64, to_signed64, token_digests_ref
+from .kv_checksum_ref import KvBuffer, fmix64, poskey, splitmix64, to_signed64, token_digests_ref
 
 _I64 = torch.int64
 GOLDEN = to_signed64(0x9E3779B97F4A7C15)
@@ -503,9 +503,12 @@ def seal_step(
     buffers: Sequence[KvBuffer],
     page_size: int,
     checksums: bool,
+    written: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """After the forward wrote them: landed tokens are sealed (fill) and, in checksum modes,
-    their digests added to their pages'. Returns the number of tokens hashed ([1] int64)."""
+    their digests added to their pages'. ``written`` [N] (the writer's inner sums, per write:
+    ``hash_rows`` over what each layer handed its store) gives the digests; without it they are
+    hashed from the pool. Returns the number of tokens hashed ([1] int64)."""
     ps, dev = page_size, P.state.device
     wpage = torch.div(c.targets, ps, rounding_mode="floor")
     off = (c.targets % ps) + 1
@@ -514,7 +517,10 @@ def seal_step(
     P.fill.copy_(torch.maximum(P.fill.to(_I64), top).to(torch.int16))
     hashed = torch.zeros(1, dtype=_I64, device=dev)
     if checksums and c.targets.numel():
-        d = token_digests_ref(buffers, c.targets, x.write_pos.to(_I64)).to(dev)
+        if written is not None:
+            d = fmix64(written.to(dev) ^ poskey(x.write_pos.to(_I64).to(dev)))
+        else:
+            d = token_digests_ref(buffers, c.targets, x.write_pos.to(_I64)).to(dev)
         P.digest.index_add_(0, wpage, torch.where(c.write_ok, d, 0))
         hashed += c.write_ok.to(_I64).sum()
         c.hashed = c.hashed + hashed  # tokens_hashed() counts the check and the seal

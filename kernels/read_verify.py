@@ -72,6 +72,24 @@ def gather_rows(
     return out
 
 
+def hash_rows(src: torch.Tensor, buffer_index: int, acc: torch.Tensor) -> None:
+    """``read_verify_ref.hash_rows`` with the buffer named by index (its constants cached):
+    ``acc[i] +=`` the inner part of row ``i`` of ``src`` [n, ...] (rows of whole 32-bit words,
+    each contiguous; a strided slot dimension is fine)."""
+    n = src.shape[0]
+    if not (src.is_cpu and acc.is_cpu and acc.dtype == torch.int64 and acc.is_contiguous()):
+        raise ValueError("hash_rows: CPU rows and contiguous int64 sums")
+    if acc.numel() != n:
+        raise ValueError(f"hash_rows: {n} rows for {acc.numel()} sums")
+    if n == 0:
+        return
+    if src.dim() > 1 and not src[0].is_contiguous():
+        src = src.contiguous()
+    stride, row_bytes = _slot_layout(src)
+    lo, hi = constant_halves(buffer_index, row_bytes)
+    C.hash_rows(src.data_ptr(), stride, row_bytes, n, lo.data_ptr(), hi.data_ptr(), acc.data_ptr())
+
+
 _MAX_BAD_PAGES = 64
 
 

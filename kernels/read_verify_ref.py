@@ -61,6 +61,17 @@ def gather_rows(
     return out.view(rows.shape[0], *cache.shape[1:])
 
 
+def hash_rows(src: torch.Tensor, consts: torch.Tensor, acc: torch.Tensor) -> None:
+    """The writer's side of ``gather_rows``: ``acc[i] +=`` the inner part of row ``i`` of ``src``
+    ``[n, ...]``, the bytes a layer hands its pool's store for its i-th written token (after the
+    cast to the storage dtype). Their digest is sealed, so what attention later reads, and what
+    lands, is checked against what was meant to land, not against whatever the pool holds."""
+    if src.shape[0] == 0:
+        return
+    words = row_words(src).to(torch.int64).bitwise_and_(0xFFFFFFFF)
+    acc += (words * consts[None, : words.shape[1]]).sum(1)
+
+
 def verify_reads(
     acc: torch.Tensor,
     rows: torch.Tensor,

@@ -23,21 +23,28 @@ import torch
 
 from kvguard.actions import Actions, EngineControl
 from kvguard.checker import StepChecker
-from kvguard.config import GuardConfig, Mode
+from kvguard.config import GuardConfig, Mode, ReadPath
 from kvguard.healing import HealPolicy
 from kvguard.health import GuardHealth
 from kvguard.kernels import guard_ref
 from kvguard.kernels.backend import GuardKernels, select
 from kvguard.kernels.guard_ref import StepCheck
 from kvguard.kernels.guard_state import EPOCH_STEP_SHIFT
-from kvguard.kernels.kv_checksum_ref import token_digests_ref
+from kvguard.kernels.kv_checksum_ref import KvBuffer, token_digests_ref
 from kvguard.ledger import PageLedger, PageState
 from kvguard.metrics import GuardMetrics
 from kvguard.ratelimit import RateLimitedLog
 from kvguard.records import RowRecords
-from kvguard.step import ReadSums, StepView
+from kvguard.step import ReadSums, StepView, WriteSums
 from kvguard.transfers import TransferClaims
-from kvguard.verdict import Kind, StepVerdict, Violation, forensic_record, new_violation_id
+from kvguard.verdict import (
+    Kind,
+    StepVerdict,
+    Violation,
+    forensic_record,
+    new_violation_id,
+    reads_not_checked,
+)
 
 log = structlog.get_logger("kvguard")
 PageEpochs = tuple[torch.Tensor, torch.Tensor]  # host (pages, their epochs when checked)
@@ -139,7 +146,7 @@ class Guard:
         self.kernels.bind(self.ledger.pages, self.records.rows, self.checker.kv_buffers)
         self.metrics = metrics or GuardMetrics.default()
         self.log = RateLimitedLog(self.metrics)
-        self.healing = HealPolicy(config, self.metrics)
+        self.healing = HealPolicy(config, self.metrics, read_path=lambda: self.read_path)
         self.actions = Actions(self.ledger, self.metrics, engine, self.log, self.healing)
         self.health = GuardHealth(config.quarantine_cap_pages(self.ledger.num_pages))
         self.transfers = TransferClaims(self.ledger, self.records)
@@ -157,7 +164,10 @@ class Guard:
         self._double_freed: list[torch.Tensor] = []  # pages released twice, reported at resolve
         self._stale_freed: list[torch.Tensor] = []  # pages a stale holder tried to free
         self._unresolved: StepVerdict | None = None  # the newest verdict not read yet
-        self._buffer_index: dict[int, int] = {}
+        self._buffer_index = {b.data_ptr(): i for i, b in enumerate(self.checker.kv_buffers)}
+        # The adapter digests every KV store as it is handed its bytes (``after_forward``'s
+        # ``written``): seals take the writer's digests, not a hash of what the pool holds.
+        self.write_path = False
         self.host_reads_free = self.device.type == "cpu"
         self._seconds, self._steps, self._tokens, self._hashed = 0.0, 0, 0, 0  # not yet flushed
         self._transfer_seconds, self._transfers = 0.0, 0  # hand-off checks, not yet flushed
@@ -179,19 +189,34 @@ class Guard:
         return self.config.enabled
 
     @property
+    def read_path(self) -> ReadPath:
+        """How reads are verified now: the mode's, given whether the adapter hashes the attention
+        backend's read (``enable_read_path``). Healing, the hooks and the status all ask here."""
+        return self.config.read_path(self.checker.read_path)
+
+    @property
     def verifies_reads(self) -> bool:
         """Attention hashes what it reads and ``verify_reads`` judges it after the forward (the
         mode asks for it and the adapter hooked the attention backend's read)."""
-        return self.config.verifies_reads and self.checker.read_path
+        return self.read_path is ReadPath.VERIFIED_IN_ATTENTION
 
     def enable_read_path(self) -> None:
         """The adapter hashes attention's reads (``verify_reads`` will be called every step);
         without it, a mode that verifies reads checks every read before the forward instead."""
         self.checker.read_path = True
-        self._buffer_index = {b.data_ptr(): i for i, b in enumerate(self.checker.kv_buffers)}
 
-    def buffer_index(self, cache: torch.Tensor) -> int | None:
-        """Which of the guarded KV buffers attention is reading (None: not one of them)."""
+    def enable_write_path(self) -> None:
+        """The adapter digests every store of the forward (``after_forward`` gets ``written``)."""
+        self.write_path = True
+
+    @property
+    def digests_writes(self) -> bool:
+        """Seals take the writer's digests (checksum modes, stores digested by the adapter)."""
+        return self.write_path and self.config.checksums
+
+    def buffer_index(self, cache: torch.Tensor | KvBuffer) -> int | None:
+        """Which of the guarded KV buffers attention reads or a store writes (None: not one of
+        them)."""
         return self._buffer_index.get(cache.data_ptr())
 
     @property
@@ -228,18 +253,28 @@ class Guard:
         self._account(t0)
         return verdict
 
-    def after_forward(self, verdict: StepVerdict, read: ReadSums | None = None) -> None:
+    def after_forward(
+        self, verdict: StepVerdict, read: ReadSums | None = None, written: WriteSums | None = None
+    ) -> None:
         """Seal what the forward wrote (enqueued after its writes: no sync needed), then, when
         reads are verified, judge what attention read (``read``) against the sealed digests, in
-        the same entry. A seal that hashes nothing (tags, on a CPU) is only queued in the
-        ledger: not timed here, it is applied and timed by the next step's check."""
+        the same entry. Where the stores were digested (``written``: ``digests_writes``) the
+        seal takes the writer's digests: a store that never landed, landed elsewhere or was
+        changed before attention read it fails the very read of this forward. A seal that
+        hashes nothing (tags, on a CPU) is only queued in the ledger: not timed here, it is
+        applied and timed by the next step's check."""
         if not self.config.checksums and self.ledger.queues:
             self.ledger.seal(verdict.inputs, verdict.check, self.checker.kv_buffers, False)
             return
         t0 = clock()
         try:
+            sums = self._writer_sums(verdict, written) if self.digests_writes else None
             self.ledger.seal(
-                verdict.inputs, verdict.check, self.checker.kv_buffers, self.config.checksums
+                verdict.inputs,
+                verdict.check,
+                self.checker.kv_buffers,
+                self.config.checksums,
+                sums,
             )
             if self.verifies_reads:
                 try:
@@ -249,6 +284,21 @@ class Guard:
                     verdict.seal_failed = True
         finally:
             self._account(t0)
+
+    def _writer_sums(self, verdict: StepVerdict, written: WriteSums | None) -> torch.Tensor:
+        """The writer's sums of this forward's writes, checked complete: every guarded buffer
+        stored exactly once for every write. Otherwise the seal fails (the step fails closed):
+        a token whose digest no writer gave is never sealed from the pool instead."""
+        n = verdict.inputs.write_slots.numel()
+        if written is None:
+            raise RuntimeError("the forward's KV stores were not digested")
+        nbuf = len(self.checker.kv_buffers)
+        if written.acc.numel() != n or (n and sorted(written.buffers) != list(range(nbuf))):
+            raise RuntimeError(
+                f"the forward stored {written.acc.numel()} tokens into KV buffers "
+                f"{sorted(written.buffers)} of {nbuf} (each exactly once); it wrote {n}"
+            )
+        return written.acc
 
     def _verify_reads(self, verdict: StepVerdict, read: ReadSums | None) -> None:
         """After the seal: judge what attention read (``read.rows``, request by request, and the
@@ -269,8 +319,14 @@ class Guard:
             read.acc, read.rows, read.seq_lens, read.req_rows, self.ledger.page_size,
             self.ledger.num_slots, P.digest, P.fill, P.epoch, self.records.rows.agg,
         )  # fmt: skip
+        strays = reads_not_checked(verdict, read)
+        if strays:  # read other rows or lengths than the step view checked: judged as read
+            bad = bad.clone()
+            bad[strays] = True
         verdict.read_bad, verdict.read_pages = bad, pages
         verdict.read_flagged = bool(pages.numel()) or bool(bad.any())
+        if verdict.read_flagged:  # its forensic record names the pages that failed, and how
+            verdict.read = read
         self._hashed += int(read.rows.numel())
 
     def resolve(self, verdict: StepVerdict | None, handles: list[object]) -> list[Violation]:
@@ -819,6 +875,7 @@ class Guard:
             "sweep_tokens_per_step": self.config.sweep_tokens_per_step,
             "tenant_isolation": self.config.tenant_isolation,
             "on_violation": self.config.on_violation.value,
+            "read_path": self.read_path.value,
             "recompute_budget": self.config.recompute_budget,
             "recompute_breaker_per_minute": self.config.recompute_breaker_per_minute,
             "page_size": self.ledger.page_size,

@@ -116,14 +116,20 @@ class PageLedger:
         self.kernels.apply_step(self.pages, records.rows, x, check, self.page_size)
 
     def seal(
-        self, x: StepInputs, check: StepCheck, buffers: Sequence[KvBuffer], checksums: bool
+        self,
+        x: StepInputs,
+        check: StepCheck,
+        buffers: Sequence[KvBuffer],
+        checksums: bool,
+        written: torch.Tensor | None = None,
     ) -> None:
-        """After the forward: the tokens that landed are sealed (and hashed in checksum modes;
-        without checksums the seal is queued like a hand-out)."""
+        """After the forward: the tokens that landed are sealed (and hashed in checksum modes:
+        from ``written``, the writer's sums per write, where the stores were digested; else from
+        the pool). Without checksums the seal is queued like a hand-out."""
         if not checksums and self.queues:
             self._pending.append(("seal", x, check))
             return
-        self.kernels.seal_step(self.pages, x, check, buffers, self.page_size, checksums)
+        self.kernels.seal_step(self.pages, x, check, buffers, self.page_size, checksums, written)
 
     def share(self, records: RowRecords, slots: torch.Tensor, row: int, step: int) -> None:
         fn = per_request(self.kernels, "share_pages")

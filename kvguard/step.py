@@ -41,3 +41,13 @@ class ReadSums:
     req_rows: torch.Tensor  # [B] int64: each request's page-table row
     acc: torch.Tensor  # [N] int64: the checksum's inner sums of the bytes read
     buffers: list[int]  # the guarded KV buffers (indices) folded into acc, one entry per read
+
+
+@dataclass(slots=True)
+class WriteSums:
+    """What one forward's stores were handed, hashed as they were handed it (filled in by an
+    engine adapter that digests each layer's store): the writer's digests, sealed in place of a
+    hash of whatever the pool holds after the forward."""
+
+    acc: torch.Tensor  # [N] int64: the checksum's inner sums per written token (write order)
+    buffers: list[int]  # the guarded KV buffers (indices) folded into acc, one entry per store

@@ -13,11 +13,12 @@ from typing import TYPE_CHECKING
 import torch
 
 from kvguard.kernels.guard_ref import StepCheck, StepInputs
+from kvguard.kernels.kv_checksum_ref import fmix64, poskey
 
 if TYPE_CHECKING:
     from kvguard.ledger import PageLedger
     from kvguard.records import RowRecords
-    from kvguard.step import StepView
+    from kvguard.step import ReadSums, StepView
 
 
 class Kind(IntFlag):
@@ -82,6 +83,7 @@ class StepVerdict:
     read_bad: torch.Tensor | None = None
     read_pages: torch.Tensor | None = None
     read_flagged: bool = False
+    read: ReadSums | None = None  # what attention read, kept for a flagged step's forensics
 
 
 @dataclass(slots=True)
@@ -175,6 +177,8 @@ def forensic_record(
         for j in mine[~ok].tolist():
             t = int(c.targets[j])
             note(t // ps, "write_refused", int(v.write_pos[j]), t, write=True)
+    if kinds & Kind.READ_MISMATCH and verdict.read is not None:
+        _note_read(verdict, verdict.read, b, ledger, note)
     if not reasons and heads:  # only the row's page-tag sum disagrees: a page was swapped
         for i, head in enumerate(heads[:8]):
             note(head // ps, "row_tags_disagree", i * ps, head)
@@ -182,3 +186,70 @@ def forensic_record(
     suspects = [{**d, "positions": reasons[int(d["page"])]} for d in described]  # type: ignore[call-overload]
     rid = v.request_ids[b] if v.request_ids else None
     return Violation(new_violation_id(), kinds, v.step, rid, row, suspects)
+
+
+def reads_not_checked(verdict: StepVerdict, read: ReadSums) -> list[int]:
+    """The requests whose attention read is not the one the step check judged: another page-table
+    row (a neighbour's rows verify as the neighbour's) or another length than the positions it
+    held plus those it wrote (indices or lengths changed after the check)."""
+    x = verdict.inputs
+    want_rows, want_lens = _checked_reads(verdict)
+    if read.seq_lens == want_lens and torch.equal(read.req_rows, x.rows.cpu()):
+        return []
+    got_rows = read.req_rows.tolist()
+    return [
+        b
+        for b in range(len(want_lens))
+        if b >= len(read.seq_lens)
+        or read.seq_lens[b] != want_lens[b]
+        or got_rows[b] != want_rows[b]
+    ]
+
+
+def _checked_reads(verdict: StepVerdict) -> tuple[list[int], list[int]]:
+    """(page-table row, positions read) per request, as the step check judged them."""
+    x = verdict.inputs
+    B = len(x.prefix_lens_host)
+    if x.write_batch is None:  # decode: one write each
+        lens = [n + 1 for n in x.prefix_lens_host]
+    else:
+        counts = torch.bincount(x.write_batch.cpu(), minlength=B)[:B].tolist()
+        lens = [n + c for n, c in zip(x.prefix_lens_host, counts)]
+    return x.rows.cpu().tolist(), lens
+
+
+def _note_read(
+    verdict: StepVerdict,
+    read: ReadSums,
+    b: int,
+    ledger: PageLedger,
+    note: Callable[[int, str, int, int], None],
+) -> None:
+    """Slow path: which page of request b's read failed, and how (the torch reference of
+    ``verify_reads`` for one request): read another row or length than checked, a position out of
+    place, a page sealed less or more far than read, or the digests read not adding up to the
+    page's sealed digest (its bytes are not what their writer stored)."""
+    ps, P = ledger.page_size, ledger.pages
+    if b >= len(read.seq_lens):
+        return
+    start, L = sum(read.seq_lens[:b]), read.seq_lens[b]
+    rows = read.rows[start : start + L].to(torch.int64).cpu()
+    acc = read.acc[start : start + L].cpu()
+    if b in reads_not_checked(verdict, read) and L and 0 <= int(rows[0]) < ledger.num_slots:
+        note(int(rows[0]) // ps, "read_other_row_or_length", 0, int(rows[0]))
+    digests = fmix64(acc ^ poskey(torch.arange(L, dtype=torch.int64)))
+    for j in range(-(-L // ps)):
+        lo, hi = j * ps, min(L, (j + 1) * ps)
+        head = int(rows[lo])
+        if not 0 <= head < ledger.num_slots:
+            continue  # never read (a slot outside the pool): the verdict says so
+        page = head // ps
+        want = page * ps + torch.arange(hi - lo)
+        off = torch.nonzero(rows[lo:hi] != want).reshape(-1)
+        if off.numel():
+            p = lo + int(off[0])
+            note(page, "read_misplaced", p, int(rows[p]))
+        elif int(P.fill[page]) != hi - lo:
+            note(page, "read_unsealed", lo, head)
+        elif int(digests[lo:hi].sum()) != int(P.digest[page]):
+            note(page, "read_digest_mismatch", lo, head)

@@ -268,12 +268,19 @@ def scale_mla_write(pool, layer, loc_info, cache_k, *args, **kwargs):
 def read_tables(pool, layer, dtype: torch.dtype):
     """(K, V) dequantization tables of this layer's read, or None where the pool is not one this
     file made FP8 (GPU pools, BF16 pools, SGLang's own AMX route)."""
+    scales = kv_scales(pool, layer)
+    return None if scales is None else dequant_tables(*scales, dtype=dtype)
+
+
+def kv_scales(pool, layer) -> tuple[float, float] | None:
+    """(k_scale, v_scale) this layer's FP8 KV is written and read with (an MLA latent row has
+    one), or None where the pool is not one this file made FP8."""
     if pool not in _fp8_pools:
         return None
     if type(pool).__name__ == MLA_POOL:
         scale = mla_kv_scale(layer)
-        return dequant_tables(scale, scale, dtype=dtype)
-    return dequant_tables(*layer_kv_scales(layer), dtype=dtype)
+        return scale, scale
+    return layer_kv_scales(layer)
 
 
 @functools.lru_cache(maxsize=64)

@@ -32,7 +32,7 @@ import contextlib
 
 import torch
 
-from kvguard.patches import kv_read
+from kvguard.patches import kv_read, kv_write
 from kvguard.patches.adapter import index_key_views
 
 INDEX_PAGE = 64  # tokens per index-key page (SGLang's DSA pool asserts page size 64)
@@ -218,10 +218,12 @@ def _hashed_index_keys(forward_batch, req_to_token, buf, page_size: int):
         return None
     try:
         keys, scales = index_key_views(buf, page_size, INDEX_DIM, 4)
-        return (
+        hashed = (
             kv_read.hashed_rows(guard, forward_batch, req_to_token, keys),
             kv_read.hashed_rows(guard, forward_batch, req_to_token, scales),
         )
+        kv_read.check_segments(forward_batch)  # sliced below by seq_lens_cpu: the same rows
+        return hashed
     except Exception as exc:
         kv_read.fail_read(forward_batch, exc)
         return None
@@ -257,8 +259,13 @@ def store_index_keys(buf: torch.Tensor, loc: torch.Tensor, key: torch.Tensor) ->
     loc = loc.to(torch.int64)
     page, off = loc // INDEX_PAGE, loc % INDEX_PAGE
     keys, scales = _index_views(buf)
-    keys[page, off] = k8.view(torch.uint8)
-    scales[page, off] = scale.contiguous().view(torch.uint8).view(-1, 4)
+    k_bytes, s_bytes = k8.view(torch.uint8), scale.contiguous().view(torch.uint8).view(-1, 4)
+    if kv_write.recording():  # the writer's digests of both (the guard's page-major buffers)
+        key_buf, scale_buf = index_key_views(buf, INDEX_PAGE, INDEX_DIM, 4)
+        kv_write.digest_store(key_buf, loc, k_bytes)
+        kv_write.digest_store(scale_buf, loc, s_bytes)
+    keys[page, off] = k_bytes
+    scales[page, off] = s_bytes
 
 
 def load_index_keys(buf: torch.Tensor, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -398,7 +405,9 @@ def write_latent(pool, layer, loc: torch.Tensor, k: torch.Tensor) -> None:
     r = pool.kv_lora_rank
     k = k.reshape(k.shape[0], -1)
     buf = pool.kv_buffer[layer.layer_id - pool.start_layer]
-    buf[loc.to(torch.int64), 0] = pack_fp8_rows(k[:, :r], k[:, r:])
+    packed = pack_fp8_rows(k[:, :r], k[:, r:])
+    kv_write.digest_store(buf, loc, packed)  # the writer's digest (when the guard takes them)
+    buf[loc.to(torch.int64), 0] = packed
 
 
 def read_latent(pool, layer, slots: torch.Tensor) -> torch.Tensor:
@@ -416,6 +425,7 @@ def _hashed_latents(pool, layer, forward_batch, req_to_token) -> torch.Tensor | 
     try:
         buf = pool.kv_buffer[layer.layer_id - pool.start_layer]
         raw = kv_read.hashed_rows(guard, forward_batch, req_to_token, buf)
+        kv_read.check_segments(forward_batch)  # sliced below by seq_lens_cpu: the same rows
         return _latent_values(pool, raw[:, 0])
     except Exception as exc:
         kv_read.fail_read(forward_batch, exc)

@@ -5,7 +5,7 @@ batch's requests (aborted, never served unchecked), never the scheduler."""
 from __future__ import annotations
 
 from kvguard.guard import clock
-from kvguard.patches import kv_read, recompute, state
+from kvguard.patches import kv_read, kv_write, recompute, state
 from kvguard.patches.adapter import step_view
 from kvguard.patches.control import release_aborted
 
@@ -57,13 +57,18 @@ def around_model_forward(original, runner, forward_batch, *args, **kwargs):
     if batch is not None:
         state.local.verdict = verdict
     kv_read.clear_record()
+    kv_write.begin(guard if verdict is not None and verdict is not GUARD_FAILED else None,
+                   forward_batch)  # fmt: skip
     out = original(runner, forward_batch, *args, **kwargs)
     if verdict is not None and verdict is not GUARD_FAILED:
         try:
-            # what attention read, hashed as it read it (kv_read), judged before any token of
-            # this forward leaves; a forward whose read was not hashed fails closed there
+            # what the stores were handed (kv_write): the digests the seal takes; then what
+            # attention read, hashed as it read it (kv_read), judged against them before any
+            # token of this forward leaves; a forward whose stores or read were not hashed
+            # fails closed there
+            written = kv_write.take_sums() if guard.digests_writes else None
             read = kv_read.take_sums() if guard.verifies_reads else None
-            guard.after_forward(verdict, read)
+            guard.after_forward(verdict, read, written)
         except Exception as exc:
             guard.internal_error("seal", exc)
             verdict.seal_failed = True  # resolve fails it closed (or at the tokens' next read)

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kvguard.kernels.kv_checksum_ref import KvBuffer, PageMajor
-from kvguard.patches import cpu_fp8_kv, state
+from kvguard.patches import cpu_fp8_kv, kv_write, state
 from kvguard.step import ReadSums
 
 _local = threading.local()  # the attention layer running now, and this forward's read record
@@ -93,7 +93,13 @@ def around_attention(original, backend, q, k, v, layer, forward_batch, *args, **
     if tables is None and not verifying:
         return original(backend, q, k, v, layer, forward_batch, *args, **kwargs)
     first_layer = layer.layer_id == getattr(pool, "start_layer", 0)
-    _local.read = (tables, forward_batch, first_layer, guard if verifying else None)
+    scale_error = None
+    if verifying and tables is not None:
+        try:  # dequantized with the scales its KV was written with, or never vouched for
+            kv_write.check_scales(pool, layer.layer_id, cpu_fp8_kv.kv_scales(pool, layer))
+        except ValueError as exc:
+            scale_error = str(exc)
+    _local.read = (tables, forward_batch, first_layer, guard if verifying else None, scale_error)
     try:
         return original(backend, q, k, v, layer, forward_batch, *args, **kwargs)
     finally:
@@ -122,9 +128,11 @@ def around_sdpa(
             backend, query, output, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens,
             *args, **kwargs,
         )  # fmt: skip
-    tables, forward_batch, first_layer, guard = read
+    tables, forward_batch, first_layer, guard, scale_error = read
     try:
         rec = _record(forward_batch, first_layer, req_to_token, req_pool_indices, seq_lens, guard)
+        if scale_error is not None:
+            raise UnverifiableRead(scale_error)
         if forward_batch.encoder_lens is not None:  # cross-attention: not modelled here
             raise UnverifiableRead("encoder-decoder attention")
         k_table, v_table = tables if tables is not None else (None, None)
@@ -215,6 +223,20 @@ def hashed_rows(guard, forward_batch, req_to_token, buffer: KvBuffer) -> torch.T
         return _gather(guard, rec, virtual, None, index_of=buffer).view(torch.uint8)
     finally:
         rec.rows = saved
+
+
+def check_segments(forward_batch) -> None:
+    """A reader that slices the hashed rows by its own per-request lengths (``dsa_cpu``, by
+    ``seq_lens_cpu``) must slice what was hashed: raise unless this forward's read record has
+    the same rows and lengths."""
+    rec = getattr(_local, "record", None)
+    rows = forward_batch.req_pool_indices.tolist()
+    lens = forward_batch.seq_lens_cpu.tolist()
+    if rec is None or rec.req_rows.tolist() != rows or rec.seq_lens != lens:
+        raise UnverifiableRead(
+            f"attention slices requests {rows} by lengths {lens}; the hashed read has "
+            f"{None if rec is None else (rec.req_rows.tolist(), rec.seq_lens)}"
+        )
 
 
 def fail_read(forward_batch, exc: Exception) -> None:

@@ -3,9 +3,11 @@ pool is flushed, and the prefix cache flushed at the next idle moment after a qu
 
 from __future__ import annotations
 
+import os
+
 import structlog
 
-from kvguard.config import GuardConfig
+from kvguard.config import GuardConfig, ReadPath
 from kvguard.guard import Guard
 from kvguard.patches import state
 from kvguard.patches.adapter import UnsupportedPoolError, guarded_kv_buffers
@@ -15,6 +17,15 @@ from kvguard.patches.kv_read import read_path_unavailable
 from kvguard.patches.peers import scheduler_peers
 
 log = structlog.get_logger("kvguard")
+# Test switch: the attention read is not hashed, as on a GPU pool or another attention backend,
+# so that a CPU engine serves the fallback read path (every read checked before the forward)
+PRE_FORWARD_READS = "KVGUARD_TEST_PRE_FORWARD_READS"
+
+
+def _read_path_unavailable(model_runner) -> str | None:
+    if os.environ.get(PRE_FORWARD_READS) == "1":
+        return f"test switch {PRE_FORWARD_READS}"
+    return read_path_unavailable(model_runner)
 
 
 # -- Scheduler.__init__ (AFTER) -------------------------------------------------------------------------
@@ -51,10 +62,14 @@ def attach(result, scheduler, *args, **kwargs):
         peers=scheduler_peers(scheduler),
     )
     state.scheduler = scheduler
-    why_not = read_path_unavailable(scheduler.tp_worker.model_runner)
+    if state.guard.device.type == "cpu":  # its stores digested (kv_write): writers' digests
+        state.guard.enable_write_path()
+    why_not = _read_path_unavailable(scheduler.tp_worker.model_runner)
     if why_not is None:  # hashed as attention reads, whenever the mode (even switched) asks
         state.guard.enable_read_path()
-    elif config.verifies_reads:  # still verified, at the cost of a full pre-forward check
+    elif state.guard.read_path is ReadPath.PRE_FORWARD_CHECK:
+        # still verified, at the cost of a full pre-forward check; and a flagged request that
+        # already emitted tokens is aborted, not healed (kvguard.healing)
         log.warning("kvguard_reads_verified_before_forward", reason=why_not)
     state.guard.health.listeners.append(publish)
     publish(None)
@@ -68,7 +83,8 @@ def attach(result, scheduler, *args, **kwargs):
         pool=kind,
         buffers=len(buffers),
         kernels=state.guard.kernels.name,
-        reads_verified_in_attention=state.guard.verifies_reads,
+        read_path=state.guard.read_path.value,
+        writer_digests=state.guard.write_path,
         state_bytes=state.guard.state_bytes,
     )
     return result

@@ -24,6 +24,7 @@ from kvguard.patches.targets import (
     QUANT_TARGETS,
     READ_TARGETS,
     TP_TARGETS,
+    WRITE_TARGETS,
 )
 
 _registered = False
@@ -48,7 +49,9 @@ def _load() -> None:
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
     # the guard (and, on a prefill/decode pair, its transfer hooks); features: any guard mode
-    rows = (GUARD_TARGETS + PD_GUARD_TARGETS if config.enabled else []) + QUANT_TARGETS
+    # the stores' digests first: innermost, they see what SGLang's own store gets
+    rows = WRITE_TARGETS + GUARD_TARGETS + PD_GUARD_TARGETS if config.enabled else []
+    rows += QUANT_TARGETS
     rows += READ_TARGETS  # torch_native's KV read: FP8 dequantization, the guard's verified reads
     if config.enabled and multiprocessing.parent_process() is None:
         rows += HTTP_TARGETS  # the process that serves HTTP (its schedulers are its children)

@@ -186,6 +186,32 @@ HTTP_TARGETS = [
     ),
 ]
 
+# The forward's KV stores (kv_write.py): each written token's digest taken from the bytes its layer
+# hands the pool (after the cast to the storage dtype), sealed in place of a hash of the pool.
+# Registered first (innermost): they see the arguments SGLang's store itself gets (the FP8 write
+# scales the QUANT and MLA rows supply). The CPU DSA path's own stores (dsa_cpu.py) call
+# kv_write.digest_store directly.
+WRITE_TARGETS = [
+    (
+        "sglang.srt.mem_cache.memory_pool.MHATokenToKVPool.set_kv_buffer",
+        "AROUND",
+        "kv_write.around_mha_store",
+        "K and V rows digested as SGLang casts and stores them",
+    ),
+    (
+        "sglang.srt.mem_cache.memory_pool.MLATokenToKVPool.set_kv_buffer",
+        "AROUND",
+        "kv_write.around_mla_store",
+        "the latent row digested as SGLang casts and stores it (DSA pools inherit it)",
+    ),
+    (
+        "sglang.srt.mem_cache.memory_pool.MLATokenToKVPool.set_mla_kv_buffer",
+        "AROUND",
+        "kv_write.around_mla_split_store",
+        "the latent row written as its NoPE and RoPE parts",
+    ),
+]
+
 # The batch's KV read in torch_native attention (kv_read.py): one compiled gather per layer and
 # buffer, dequantized for FP8 pools (any guard mode: how FP8 KV is served on CPU) and hashed when
 # the guard verifies reads. With neither, SGLang's own loop runs untouched.
@@ -550,7 +576,7 @@ SGLANG_NAMES = [
     (f"{_REQ}.finished", "callable", "control", "already finished: nothing to abort"),
     (f"{_REQ}.is_retracted", "attribute", "control", "a request sent back: the result loop commits and streams nothing of it"),
     (f"{_REQ}.reset_for_retract", "callable", "recompute", "reset a request sent back, as SGLang's retraction does"),
-    (f"{_REQ}.output_ids", "attribute", "recompute", "the tokens it produced: kept, re-prefilled"),
+    (f"{_REQ}.output_ids", "attribute", "recompute", "the tokens it produced: kept, re-prefilled (control: how many left)"),
     (f"{_REQ}.origin_input_ids", "attribute", "recompute", "its prompt"),
     (f"{_REQ}.beam_group", "attribute", "control", "beam groups cannot be retracted: aborted"),
     (f"{_REQ}.input_embeds", "attribute", "control", "restarted from scratch when retracted: aborted"),
@@ -625,6 +651,14 @@ SGLANG_NAMES = [
     (f"{_POOLS}.MHATokenToKVPool.k_buffer", "attribute", "adapter", "K per layer, guarded bytes"),
     (f"{_POOLS}.MHATokenToKVPool.v_buffer", "attribute", "adapter", "V per layer, guarded bytes"),
     (f"{_POOLS}.MHATokenToKVPool.start_layer", "attribute", "cpu_fp8_kv", "first layer of this rank"),
+    (f"{_POOLS}.MHATokenToKVPool.dtype", "attribute", "kv_write", "the dtype SGLang casts a store to"),
+    (f"{_POOLS}.MHATokenToKVPool.store_dtype", "attribute", "kv_write", "the dtype it views stored rows as"),
+    (f"{_POOLS}.MHATokenToKVPool.is_quantized_kv_cache", "attribute", "kv_write", "a store through the quant method"),
+    (f"{_POOLS}.MHATokenToKVPool.quant_method", "attribute", "kv_write", "which one (CPU FP8 modelled)"),
+    (f"{_POOLS}.MHATokenToKVPool._quantized_scales", "callable", "kv_write", "the write scales SGLang's quantized store uses"),
+    (f"{_POOLS}.MLATokenToKVPool.dtype", "attribute", "kv_write", "the dtype SGLang casts a latent store to"),
+    (f"{_POOLS}.MLATokenToKVPool.store_dtype", "attribute", "kv_write", "the dtype it views stored rows as"),
+    (f"{_POOLS}.KVWriteLoc.loc", "attribute", "kv_write", "the slots of a wrapped write location"),
     (f"{_POOLS}.MLATokenToKVPool.kv_buffer", "attribute", "adapter", "latent row per layer, guarded bytes"),
     (f"{_POOLS}.DSATokenToKVPool.kv_buffer", "attribute", "adapter", "latent row per layer, guarded bytes"),
     (f"{_POOLS}.DSATokenToKVPool.index_k_with_scale_buffer", "attribute", "adapter", "index keys, then their scales, per page and indexer layer: guarded bytes"),

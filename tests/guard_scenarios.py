@@ -303,6 +303,35 @@ def read_before_ready(pool: SyntheticPool) -> set[str]:
     return {c.rid}
 
 
+def store_never_lands(pool: SyntheticPool) -> set[str]:
+    """a's next token's store never lands: its slot keeps the bytes it held (the writer's digest
+    is what was meant; a seal hashed from the pool would certify the old bytes)."""
+    a, b = _two(pool)
+    pool.forward([a, b], 1, astray={(a.rid, a.length): -1})
+    _bytes_changed(pool, [a, b])
+    _decode(pool, [a, b], steps=10)
+    return {a.rid}
+
+
+def store_lands_elsewhere(pool: SyntheticPool) -> set[str]:
+    """a's next token's store lands in b's sealed slot, past the write firewall (which judged the
+    slot a was handed): a's slot keeps old bytes, b's holds a's token."""
+    a, b = _two(pool)
+    pool.forward([a, b], 1, astray={(a.rid, a.length): b.pages[0] * pool.ps + 1})
+    _bytes_changed(pool, [a, b])
+    _decode(pool, [a, b], steps=10)
+    return {a.rid, b.rid}
+
+
+def store_lands_on_own_token(pool: SyntheticPool) -> set[str]:
+    """a's next token's store lands on one of a's own earlier slots."""
+    a, b = _two(pool)
+    pool.forward([a, b], 1, astray={(a.rid, a.length): a.pages[0] * pool.ps})
+    _bytes_changed(pool, [a, b])
+    _decode(pool, [a, b], steps=10)
+    return {a.rid}
+
+
 def position_gap(pool: SyntheticPool) -> set[str]:
     """a's forward skips a position (its KV would not line up with its tokens)."""
     a, b = _two(pool)
@@ -341,6 +370,7 @@ SCENARIOS: dict[str, Scenario] = {
         double_allocation, double_claim_same_step, shared_write, overwrite, write_unallocated,
         table_mismatch, overwrite_sealed,
         stale_prefix, cross_tenant, never_written, bit_flip_private, bit_flip_shared,
-        read_before_ready, position_gap, rebind,
+        read_before_ready, position_gap, rebind, store_never_lands, store_lands_elsewhere,
+        store_lands_on_own_token,
     )
 }  # fmt: skip

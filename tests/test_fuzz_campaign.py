@@ -222,6 +222,9 @@ HEALED = (
     "cross_tenant",
     "exponent_flip",
     "in_forward_flip",
+    "lost_store",
+    "misdirected_store",
+    "flipped_store",
 )
 BUDGET_SPENT = "recompute budget spent"  # the guard's reason: healed as often as allowed
 

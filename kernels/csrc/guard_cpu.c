@@ -570,10 +570,12 @@ static PyObject *apply_step(PyObject *self, PyObject *const *args, Py_ssize_t na
 }
 
 /* ---- seal_step: after the forward, landed tokens are sealed (and hashed) ----
- * args: ctx, N, write_pos, page_size, checksums, out (check's). Returns tokens hashed. */
+ * args: ctx, N, write_pos, page_size, checksums, out (check's), written (0, or the writer's
+ * inner sums [N]: the digests come from them instead of from the pool). Returns tokens hashed. */
 static PyObject *seal_step(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    i64 a[6];
-    if (ints(args, nargs, 6, a)) return NULL;
+    i64 a[7];
+    if (ints(args, nargs, 7, a)) return NULL;
+    const u64 *written = PTR(const u64 *, a[6]);
     const i64 *ctx = PTR(const i64 *, a[0]);
     Pages P; Kv kv;
     load_pages(&P, ctx + CTX_PAGES);
@@ -604,7 +606,12 @@ static PyObject *seal_step(PyObject *self, PyObject *const *args, Py_ssize_t nar
                 sl[m] = targets[j];
                 po[m++] = wpos[j];
             }
-        token_digests_into(&kv, sl, po, m, inner, dg);
+        if (written) {
+            for (i64 j = 0, t = 0; j < N; j++)
+                if (write_ok[j]) dg[t++] = (i64)fmix64(written[j] ^ splitmix64((u64)wpos[j] + POS_SEED));
+        } else {
+            token_digests_into(&kv, sl, po, m, inner, dg);
+        }
         for (i64 t = 0; t < m; t++) {
             const i64 pg = sl[t] / ps;
             P.digest[pg] = (i64)((u64)P.digest[pg] + (u64)dg[t]);

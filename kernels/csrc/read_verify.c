@@ -194,6 +194,31 @@ static PyObject *gather_rows(PyObject *self, PyObject *const *args, Py_ssize_t n
     return PyLong_FromLongLong(bad);
 }
 
+/* hash_rows(src, row_stride, row_bytes, n, lo, hi, acc)
+ *
+ * The writer's digest: acc[i] += inner part of the row of `row_bytes` bytes at src + i * row_stride
+ * (the bytes a layer hands the pool's store for its i-th written token, after the cast to the
+ * storage dtype), with the buffer's word constants lo/hi. read_verify_ref.hash_rows is the
+ * specification. */
+CLONES static void hash_loop(const uint8_t *src, i64 stride, i64 row_bytes, i64 n, const uint32_t *lo,
+                             const uint32_t *hi, u64 *acc) {
+    for (i64 i = 0; i < n; i++) acc[i] += row_inner((const uint32_t *)(src + i * stride), lo, hi, row_bytes / 4);
+}
+
+static PyObject *hash_rows(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    i64 a[7];
+    if (ints(args, nargs, 7, a)) return NULL;
+    if (a[2] % 4 != 0 || a[1] % 4 != 0 || a[0] % 4 != 0 || a[3] < 0 || !a[4] || !a[5] || !a[6]) {
+        PyErr_SetString(PyExc_ValueError, "hash_rows: rows of whole aligned words, constants and sums");
+        return NULL;
+    }
+    Py_BEGIN_ALLOW_THREADS
+    hash_loop(PTR(const uint8_t *, a[0]), a[1], a[2], a[3], PTR(const uint32_t *, a[4]),
+              PTR(const uint32_t *, a[5]), PTR(u64 *, a[6]));
+    Py_END_ALLOW_THREADS
+    Py_RETURN_NONE;
+}
+
 /* verify_reads(acc, rows, seq_lens, req_rows, B, ps, num_slots, num_rows, digest, fill, epoch,
  *              agg, bad_req, bad_pages, max_bad)
  *
@@ -280,6 +305,7 @@ static PyObject *verify_reads(PyObject *self, PyObject *const *args, Py_ssize_t 
 static PyMethodDef methods[] = {
     {"gather_rows", (PyCFunction)(void (*)(void))gather_rows, METH_FASTCALL, "gather (and hash) KV rows"},
     {"verify_reads", (PyCFunction)(void (*)(void))verify_reads, METH_FASTCALL, "read sums vs digests"},
+    {"hash_rows", (PyCFunction)(void (*)(void))hash_rows, METH_FASTCALL, "the writer's sums of rows"},
     {NULL, NULL, 0, NULL},
 };
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_read_verify", NULL, -1, methods, NULL, NULL, NULL, NULL};
