@@ -113,7 +113,25 @@ async def run_round(url, prompts, max_new_tokens, plain=False):
         wall = time.perf_counter() - t0
     tokens = sum(len(s) for s in streams)
     itl = [] if plain else [b - a for s in streams for a, b in itertools.pairwise(s)]
-    return {"tokens": tokens, "seconds": wall, "itl": itl}
+    latency = [s[-1] - t0 for s in streams if s]  # each request's, to its last token
+    return {"tokens": tokens, "seconds": wall, "itl": itl, "latency": latency}
+
+
+def server_cpu_seconds(srv: ServeProcess) -> float:
+    """User + system CPU seconds of the server's whole process tree (HTTP process, schedulers,
+    detokenizer) so far: steadier than wall time on a shared machine."""
+    import psutil
+
+    assert srv.proc is not None
+    root = psutil.Process(srv.proc.pid)
+    total = 0.0
+    for p in [root, *root.children(recursive=True)]:
+        try:
+            t = p.cpu_times()
+            total += t.user + t.system
+        except psutil.NoSuchProcess:
+            pass
+    return total
 
 
 def workload(n: int, prompt_tokens: int | None = None) -> list:
@@ -184,8 +202,9 @@ def main(argv=None):
 
     def measure(srv, mode, r):
         srv.flush_cache()  # every round starts from an empty prefix cache (and a reset ledger)
-        before = guard_counters(srv)
+        before, cpu0 = guard_counters(srv), server_cpu_seconds(srv)
         res = asyncio.run(run_round(srv.url, prompts, a.max_new_tokens, a.plain))
+        res["cpu_per_token"] = (server_cpu_seconds(srv) - cpu0) / max(res["tokens"], 1)
         after = settled_counters(srv)
         # Host time inside guard hooks during this round, as a share of the round's wall time:
         # the scheduler is one thread, so this is what the guard adds to its steps.
@@ -194,6 +213,8 @@ def main(argv=None):
         print(
             f"round {r + 1} {mode:9s} {res['tokens'] / res['seconds']:8.1f} tok/s  "
             f"p50 ITL {1000 * pct(res['itl'], 0.5):6.2f} ms  p99 {1000 * pct(res['itl'], 0.99):6.2f} ms  "
+            f"p95 request {pct(res['latency'], 0.95):6.2f} s  "
+            f"CPU {1000 * res['cpu_per_token']:6.2f} ms/token  "
             f"guard {100 * res['guard_seconds'] / res['seconds']:5.2f}% of wall "
             f"({1000 * res['guard_seconds'] / max(res['guard_steps'], 1):.3f} ms/step)",
             flush=True,
@@ -231,6 +252,8 @@ def main(argv=None):
             "itl_p99_ms": 1000 * pct(itl, 0.99),
             "guard_share_of_wall": gs / sum(r["seconds"] for r in rs),
             "guard_ms_per_step": 1000 * gs / max(sum(r["guard_steps"] for r in rs), 1),
+            "latency_p95_s": statistics.median(pct(r["latency"], 0.95) for r in rs),
+            "cpu_ms_per_token": 1000 * statistics.median(r["cpu_per_token"] for r in rs),
         }
     off = summary["off"]
     for mode in modes:  # paired: this mode's round r against off's round r
@@ -244,16 +267,25 @@ def main(argv=None):
         itl99 = [
             pct(m["itl"], 0.99) / pct(o["itl"], 0.99) for m, o in zip(results[mode], results["off"])
         ]
+        p95 = [
+            pct(m["latency"], 0.95) / pct(o["latency"], 0.95)
+            for m, o in zip(results[mode], results["off"])
+        ]
+        cpu = [
+            m["cpu_per_token"] / o["cpu_per_token"] for m, o in zip(results[mode], results["off"])
+        ]
         summary[mode].update(
+            paired_latency_p95=statistics.median(p95),
+            paired_cpu_per_token=statistics.median(cpu),
             paired_tok_s=statistics.median(pairs),
             paired_tok_s_range=[min(pairs), max(pairs)],
             paired_itl_p50=statistics.median(itl),
             paired_itl_p99=statistics.median(itl99),
         )
     print(
-        "\n| mode | tok/s (median of rounds) | tok/s vs off, paired median [lowest, highest round] | ITL p50 ms | vs off (paired) | ITL p99 ms | vs off | guard host time, share of wall | guard ms/step |"
+        "\n| mode | tok/s (median of rounds) | tok/s vs off, paired median [lowest, highest round] | ITL p50 ms | vs off (paired) | ITL p99 ms | vs off | p95 request s | vs off | server CPU ms/token | vs off | guard host time, share of wall | guard ms/step |"
     )
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for mode, s in summary.items():
         paired = (
             f"{s['paired_tok_s']:.3f} [{s['paired_tok_s_range'][0]:.3f}, {s['paired_tok_s_range'][1]:.3f}]"
@@ -265,6 +297,10 @@ def main(argv=None):
             f"| {mode} | {s['tok_s']:.1f} | {paired} | {s['itl_p50_ms']:.2f} | "
             f"{itl_ratio:.3f} | {s['itl_p99_ms']:.2f} | "
             f"{s.get('paired_itl_p99', s['itl_p99_ms'] / off['itl_p99_ms']):.3f} | "
+            f"{s['latency_p95_s']:.2f} | "
+            f"{s.get('paired_latency_p95', s['latency_p95_s'] / off['latency_p95_s']):.3f} | "
+            f"{s['cpu_ms_per_token']:.2f} | "
+            f"{s.get('paired_cpu_per_token', s['cpu_ms_per_token'] / off['cpu_ms_per_token']):.3f} | "
             f"{100 * s['guard_share_of_wall']:.2f}% | {s['guard_ms_per_step']:.3f} |"
         )
     if a.out:

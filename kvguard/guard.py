@@ -171,6 +171,7 @@ class Guard:
         self.host_reads_free = self.device.type == "cpu"
         self._seconds, self._steps, self._tokens, self._hashed = 0.0, 0, 0, 0  # not yet flushed
         self._transfer_seconds, self._transfers = 0.0, 0  # hand-off checks, not yet flushed
+        self._forward_seconds = 0.0  # hashing inside the forward, not yet flushed
         self._flushed_at = 0.0
         self.metrics.state_bytes.set(self.state_bytes)
         self.metrics.quarantine_cap_pages.set(self.health.quarantine_cap_pages)
@@ -908,6 +909,13 @@ class Guard:
         self._transfer_seconds += spent
         self._transfers += 1
 
+    def account_in_forward(self, seconds: float) -> None:
+        """Time spent hashing inside the forward (attention's hashed gather, a store's digest):
+        the guard's, and also reported apart. The gather is counted whole, SGLang's own share of
+        it included (its loop would gather the same rows): an upper bound of the hash's cost."""
+        self._seconds += seconds
+        self._forward_seconds += seconds
+
     def flush_metrics(self) -> None:
         """Send the counters gathered since the last flush (the engine calls this when idle),
         and let the recompute breaker close once its minute has passed (it is otherwise asked
@@ -928,6 +936,9 @@ class Guard:
         self.healing.breaker_open()  # its gauge follows the trailing minute while serving
         m = self.metrics
         m.check_seconds.inc(self._seconds)
+        if self._forward_seconds:
+            m.forward_hash_seconds.inc(self._forward_seconds)
+            self._forward_seconds = 0.0
         if self._transfers:
             m.transfers_checked.inc(self._transfers)
             m.transfer_check_seconds.inc(self._transfer_seconds)

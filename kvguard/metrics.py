@@ -57,6 +57,13 @@ class GuardMetrics:
         self.check_seconds = Counter(
             "check_seconds", "CPU time of the scheduler thread inside guard hooks", **kw
         )
+        self.forward_hash_seconds = Counter(
+            "forward_hash_seconds",
+            "CPU time of the scheduler thread hashing inside the forward: attention's hashed "
+            "gather of the KV it reads and the writers' digests of its stores (part of "
+            "check_seconds)",
+            **kw,
+        )
         self.transfers_checked = Counter(
             "transfers_checked",
             "KV transfers (prefill/decode) sealed as sent, claimed as issued or checked as landed",

@@ -21,6 +21,7 @@ reused by every layer: what is verified is what every layer read.
 from __future__ import annotations
 
 import threading
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -192,9 +193,12 @@ def _gather(guard, rec: ReadRecord, cache: torch.Tensor, table, index_of=None) -
             )
         rec.buffers.append(index)
     base = cache.view(torch.uint8) if cache.dtype == torch.float8_e4m3fn else cache
+    t0 = time.thread_time()
     out = read_verify.gather_rows(
         base, rec.rows, table, index, rec.acc if index is not None else None
     )
+    if index is not None:  # hashed: the guard's time (the gather whole, an upper bound)
+        guard.account_in_forward(time.thread_time() - t0)
     return out if table is not None else out.view(cache.dtype)
 
 

@@ -19,6 +19,7 @@ closed. Nothing here changes what SGLang stores.
 from __future__ import annotations
 
 import threading
+import time
 import weakref
 from dataclasses import dataclass, field
 
@@ -78,8 +79,9 @@ def digest_store(buffer: KvBuffer, loc: torch.Tensor, rows: torch.Tensor) -> Non
     rec = getattr(_local, "record", None)
     if rec is None or rec.failed is not None:
         return
+    guard = state.guard
+    t0 = time.thread_time()
     try:
-        guard = state.guard
         index = guard.buffer_index(buffer) if guard is not None else None
         if index is None:
             raise UndigestedStore(f"a store into a KV buffer the guard does not hold {buffer}")
@@ -92,6 +94,7 @@ def digest_store(buffer: KvBuffer, loc: torch.Tensor, rows: torch.Tensor) -> Non
 
         read_verify.hash_rows(rows.reshape(rows.shape[0], -1), index, rec.acc)
         rec.buffers.append(index)
+        guard.account_in_forward(time.thread_time() - t0)
     except Exception as exc:  # never the store's failure: the seal refuses the step instead
         rec.failed = f"{type(exc).__name__}: {exc}"
 

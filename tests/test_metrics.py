@@ -25,6 +25,7 @@ COUNTERS = [
     "kvguard_check_seconds_total",
     "kvguard_transfers_checked_total",
     "kvguard_transfer_check_seconds_total",
+    "kvguard_forward_hash_seconds_total",
     "kvguard_unchecked_forwards_total",
 ]
 

@@ -163,10 +163,13 @@ def test_mha_writer_digests_are_the_landed_bytes_and_a_lost_store_is_not(
         return forward
 
     m = n - 1  # prefill m, decode one (landed), then one whose store never lands
+    hashing = guard.metrics.forward_hash_seconds._value.get()
     fb = _batch(slots, 0, m)
     assert torch.equal(_stored(guard, run(0, m), fb), _landed(guard, slots[:m], 0))
     fb = _batch(slots, m, 1)
     assert torch.equal(_stored(guard, run(m, n), fb), _landed(guard, slots[m:n], m))
+    guard.flush_metrics()  # the digests' time is the guard's, and reported apart
+    assert guard.metrics.forward_hash_seconds._value.get() > hashing
     stores.on = True  # the next store never lands: its slot keeps what it held
     fb = _batch(slots, n, 1)
     meant = _stored(guard, run(n, n + 1), fb)
