@@ -17,7 +17,16 @@ from types import SimpleNamespace
 import torch
 
 from kvguard.fuzz import kvbytes
-from kvguard.fuzz.accounting import OK, Garbage, Scan, Watch, judge, live_requests, written_by
+from kvguard.fuzz.accounting import (
+    OK,
+    Content,
+    Garbage,
+    Scan,
+    Watch,
+    judge,
+    live_requests,
+    written_by,
+)
 from kvguard.fuzz.cross_tenant import cross_tenant
 
 
@@ -92,14 +101,30 @@ def _page_slots(sched, req, lp):
     return _table(sched)[req.kv.req_pool_idx, lp * ps : (lp + 1) * ps].to(torch.int64).clone()
 
 
+# What the watches of earlier injections know their slots hold (set by the fuzz plugin before
+# each injector runs, ``known_from``). Their record follows every write into a watched page;
+# ``written_by`` assumes a request's row holds its own KV, which is wrong after an earlier
+# injection pointed that row at another request's page (then this injection's record of the slot
+# would judge an intact read of it wrong).
+_known: dict[int, Content] = {}
+
+
+def known_from(watches) -> None:
+    """What ``watches`` (oldest first: a later record of a slot wins) say their slots hold."""
+    _known.clear()
+    for watch in watches:
+        _known.update(watch.contents)
+
+
 def _page_contents(sched, req, lp, batch=None) -> dict:
-    """What the slots of ``req``'s logical page ``lp`` hold: its own KV where it wrote it; where
-    it did not (yet: a prefix-cache page it holds before its own length covers it), the KV of
-    another live holder that wrote that slot, if one did."""
+    """What the slots of ``req``'s logical page ``lp`` hold: what an earlier injection's watch
+    knows of a slot; else its own KV where it wrote it; where it did not (yet: a prefix-cache
+    page it holds before its own length covers it), the KV of another live holder that wrote that
+    slot, if one did."""
     ps = _ps(sched)
     slots = _page_slots(sched, req, lp).tolist()
     committed = req.kv.kv_committed_len
-    out = {s: written_by(req, lp * ps + i, committed) for i, s in enumerate(slots)}
+    out = {s: _known.get(s) or written_by(req, lp * ps + i, committed) for i, s in enumerate(slots)}
     unknown = [s for s, c in out.items() if isinstance(c, Garbage)]
     if unknown:
         out.update(_written_by_others(sched, batch, unknown, req))

@@ -310,7 +310,7 @@ def _inject(st: FuzzState, sched, batch, injectors):
     """Try the queue's head entry at this step; the new injection, or None. An entry whose class
     this pool cannot take (``injectors.refusal``: index-key classes on a pool without index keys)
     is dropped and logged as an ``injector_error`` naming it."""
-    from kvguard.fuzz.injectors import refusal
+    from kvguard.fuzz.injectors import known_from, refusal
 
     rank = sched.tp_group.rank_in_group
     while st.queue and st.queue[0].get("rank", rank) != rank:
@@ -328,7 +328,11 @@ def _inject(st: FuzzState, sched, batch, injectors):
     entry["tries"] += 1
     rng = random.Random(entry.get("seed", 0) * 1_000_003 + st.step)
     fn = injectors[entry["cls"]]
-    inj = fn(sched, batch, rng, st.step)
+    known_from(i.watch for i in st.active)  # what earlier injections' watches know of slots
+    try:
+        inj = fn(sched, batch, rng, st.step)
+    finally:
+        known_from(())
     if inj is None:
         if entry["tries"] >= entry.get("max_tries", 400):
             st.queue.pop(0)  # the workload never offered a fitting moment
