@@ -630,6 +630,28 @@ def rebind_row(
     _push_history(P, torch.unique(new[ok]), Event.REBIND, step, row)
 
 
+def adoptable(
+    P: PageArrays, heads: torch.Tensor, tokens: list[int], seed: int, page_size: int
+) -> bool:
+    """Would a reader with these prompt tokens (and chain seed) adopt the prefix-cache pages whose
+    first slots are ``heads`` (logical pages 0.., ``tokens`` covering them whole)? The step
+    check's hand-off rule (1.) without the checksum, asked when the prefix cache matches."""
+    ps, dev = page_size, P.state.device
+    heads = heads.to(_I64).to(dev)
+    pages = torch.div(heads, ps, rounding_mode="floor")
+    i = torch.arange(pages.numel(), device=dev)
+    toks = torch.tensor(tokens, dtype=_I64, device=dev)
+    own = seed + torch.cumsum(chain_terms(toks, torch.arange(toks.numel(), device=dev)), 0)
+    ok = (
+        (heads % ps == 0)
+        & (P.state[pages] == SHARED)
+        & (P.fill[pages].to(_I64) == ps)
+        & (P.lpage[pages].to(_I64) == i)
+        & (P.chain[pages] == own[(i + 1) * ps - 1])
+    )
+    return bool(ok.all())
+
+
 def quarantine_pages(
     P: PageArrays, pages: torch.Tensor, epochs: torch.Tensor, step: int
 ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,7 +1,7 @@
 """Actions: the only layer that reaches back into the engine. Given a step's verdict it heals
 (recomputes) or aborts the affected requests (through the engine adapter; ``healing`` decides
-which), quarantines pages whose content is bad, takes back pages freed while still validly read,
-counts and logs."""
+which), withholds the pages ``kvguard.quarantine`` takes back, records engine events (bad
+frees), counts and logs."""
 
 from __future__ import annotations
 
@@ -66,8 +66,6 @@ class Actions:
         self.log = log or RateLimitedLog(metrics)
         self.history: list[Violation] = []  # recent violations, for tests and the debug endpoint
         self.num_violations = 0  # since start: the engine's own consistency checks may now trip
-        self.num_quarantined_total = 0
-        self.num_reclaimed_total = 0
 
     def act(
         self, violations: list[Violation], handles: list[object], breaker_open: bool = False
@@ -122,39 +120,10 @@ class Actions:
         violation.action, violation.recomputes, violation.why_not_healed = "abort", done, why
         return False
 
-    def quarantine(
-        self, pages: torch.Tensor, epochs: torch.Tensor, step: int
-    ) -> tuple[int, torch.Tensor]:
-        """Mark pages whose content was proven bad (unless handed out again since; ``epochs``:
-        theirs when checked, one per page). Costs the pages, never the pool: the engine keeps
-        holding them until its holders release them, and then they are scrubbed. Returns (how
-        many were quarantined now, those of them nobody held: to be scrubbed at once)."""
-        keep = pages > 0  # page 0 is the engine's padding page
-        pages, epochs = pages[keep], epochs[keep]
-        if pages.numel() == 0:
-            return 0, pages
-        dev = self.ledger.device
-        new, were_free = self.ledger.quarantine(pages.to(dev), epochs.to(dev), step)
-        self.num_quarantined_total += int(new.numel())
-        self.metrics.pages_quarantined.inc(int(new.numel()))
-        return int(new.numel()), were_free
-
-    def reclaim(self, pages: torch.Tensor, epochs: torch.Tensor, step: int) -> None:
-        """Pages freed while a reader still validly held them (caught before reuse): take them
-        back from the free list, so the reader's KV stays intact; report the engine bug.
-        ``epochs``: theirs when checked, one per page."""
-        keep = pages > 0
-        pages, epochs = pages[keep], epochs[keep]
-        if pages.numel() == 0:
-            return
-        dev = self.ledger.device
-        back = self.ledger.reclaim(pages.to(dev), epochs.to(dev), step)
-        if back.numel() == 0:
-            return
+    def withhold(self, pages: torch.Tensor) -> None:
+        """Take these pages out of the engine's free list (``Quarantine.reclaim``)."""
         if self.engine is not None:
-            self.engine.withhold_pages(back)
-        self.num_reclaimed_total += int(back.numel())
-        self.engine_event(Kind.PREMATURE_FREE, step, self.ledger.describe_many(back[:8].tolist()))
+            self.engine.withhold_pages(pages)
 
     def engine_event(self, kinds: Kind, step: int, pages: list[dict[str, object]]) -> None:
         """A violation with no request to abort (double free, stale free, premature free)."""

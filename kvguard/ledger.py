@@ -135,6 +135,36 @@ class PageLedger:
         fn = per_request(self.kernels, "share_pages")
         fn(self.pages, records.rows, self.pages_of(self._here(slots)), row, step)
 
+    def rebind(
+        self,
+        records: RowRecords,
+        row: int,
+        first_position: int,
+        old_slots: torch.Tensor,
+        new_slots: torch.Tensor,
+        step: int,
+    ) -> None:
+        """The prefix cache replaced the row's slots from ``first_position`` by its own copies:
+        the row's record follows, page by page (only whole pages move: inserts are page
+        aligned)."""
+        ps = self.page_size
+        start = -(-first_position // ps) * ps
+        skip = start - first_position
+        old, new = old_slots[skip::ps], new_slots[skip::ps]
+        if old.numel() and not torch.equal(old, new):
+            fn = per_request(self.kernels, "rebind_row")
+            old_pages, new_pages = self.pages_of(old), self.pages_of(new)
+            fn(self.pages, records.rows, row, start // ps, old_pages, new_pages, ps, step)
+
+    def adoptable(self, slots: torch.Tensor, tokens: list[int], seed: int) -> bool:
+        """Would a reader with these prompt tokens (and chain seed) adopt these prefix-cache slots
+        (whole pages, from position 0)? The backend's hand-off rule, else the reference's."""
+        ps, n = self.page_size, slots.numel()
+        if n == 0 or n % ps or len(tokens) < n:
+            return n == 0
+        rule = getattr(self.kernels, "adoptable", None) or guard_ref.adoptable
+        return bool(rule(self.pages, slots[::ps], tokens[:n], seed, ps))
+
     def quarantine(
         self, pages: torch.Tensor, epochs: torch.Tensor, step: int
     ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -198,6 +228,13 @@ class PageLedger:
         self.pages.state[newly] = PageState.FREE
         guard_ref._push_history(self.pages, newly, Event.FREE, step, NO_ROW)
         return free
+
+    def private_pages(self, records: RowRecords, row: int) -> torch.Tensor:
+        """Pages the request on ``row`` owns privately (slow path: aborted requests)."""
+        P = self.pages
+        gen = records.rows.gen[row]
+        mine = (P.owner == row) & (P.owner_gen == gen) & (P.state == PageState.OWNED)
+        return torch.nonzero(mine).reshape(-1)
 
     # -- forensics and self-checks --------------------------------------------------------------------
     def describe(self, page: int) -> dict[str, object]:

@@ -9,15 +9,10 @@ has written up to (``kernels.guard_state.RowArrays``: 28 bytes per row). Rows ar
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 
 from kvguard.kernels.backend import per_request
 from kvguard.kernels.guard_state import RowArrays
-
-if TYPE_CHECKING:
-    from kvguard.ledger import PageLedger
 
 
 class RowRecords:
@@ -34,20 +29,6 @@ class RowRecords:
         """Rows handed to new requests: a new generation, nothing held."""
         rows = rows if rows.device == self.device else rows.to(self.device)
         per_request(self.kernels, "reset_rows")(self.rows, rows)
-
-    def rebind(
-        self,
-        pages: PageLedger,
-        row: int,
-        first_lpage: int,
-        old_pages: torch.Tensor,
-        new_pages: torch.Tensor,
-        step: int,
-    ) -> None:
-        """The prefix cache replaced the row's own copies of some pages by its own."""
-        per_request(self.kernels, "rebind_row")(
-            pages.pages, self.rows, row, first_lpage, old_pages, new_pages, pages.page_size, step
-        )
 
     def reset(self) -> None:
         """The engine cleared its pool: no row holds anything (generations stay: they only grow)."""

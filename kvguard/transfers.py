@@ -31,6 +31,7 @@ from kvguard.kernels.guard_state import EPOCH_STEP_SHIFT
 from kvguard.kernels.kv_checksum_ref import DIGEST_VERSION, KvBuffer, row_words
 from kvguard.ledger import PageLedger
 from kvguard.records import RowRecords
+from kvguard.verdict import Kind, Violation, new_violation_id
 
 # Claims made between two forwards take epochs of the next step, above any write index of its
 # forward: (step << 24) | (2**23 + k). A forward writes fewer than 2**23 tokens.
@@ -51,9 +52,19 @@ class TransferClaim:
 class TransferClaims:
     """Transfers issued and not landed yet, by destination row (a row holds one request)."""
 
-    def __init__(self, ledger: PageLedger, records: RowRecords):
+    def __init__(
+        self,
+        ledger: PageLedger,
+        records: RowRecords,
+        buffers: Sequence[KvBuffer],
+        digests: Callable[..., torch.Tensor],
+    ):
+        """``buffers``: the guarded KV buffers; ``digests``: the token digests of the kernel
+        backend (``token_digests_ref``'s signature)."""
         self.ledger = ledger
         self.records = records
+        self.buffers = buffers
+        self.digests = digests
         self._by_row: dict[int, TransferClaim] = {}
         self._epoch_step = -1
         self._epoch_used = 0
@@ -82,7 +93,7 @@ class TransferClaims:
         n_pages = -(-slots.numel() // ps)
         # Issued after forward ``step`` (whose verdict may not be read yet), before the next: its
         # epochs carry the next step's number, so that verdict never takes them for its own
-        # (Guard._my_pages keeps epochs of its step or earlier).
+        # (Agreement.my_pages keeps epochs of its step or earlier).
         epoch0 = self._epochs(step + 1, n_pages)
         kinds, pages = guard_ref.claim_transfer(
             self.ledger.pages, self.records.rows, row, slots, tokens, seed, ps, epoch0, step
@@ -95,17 +106,26 @@ class TransferClaims:
         self,
         row: int,
         step: int,
-        buffers: Sequence[KvBuffer],
         checksums: bool,
-        digests: Callable[..., torch.Tensor],
+        request_id: str | None = None,
         sent_seal: int | None = None,
         sent_tokens: int | None = None,
-    ) -> tuple[int, torch.Tensor]:
-        """The transfer into row ``row`` landed: seal it if its claim is unchanged, and where the
-        sender's seal came with it (``sent_tokens``: how many positions it covers; ``sent_seal``
-        None: the sender could not vouch for them) compare the landed bytes with it. Returns
-        (verdict bits, pages to name in a violation). A row with no claim issued (the guard
+    ) -> Violation | None:
+        """The transfer into row ``row`` (request ``request_id``) landed: seal it if its claim is
+        unchanged, and where the sender's seal came with it (``sent_tokens``: how many positions
+        it covers; ``sent_seal`` None: the sender could not vouch for them) compare the landed
+        bytes with it. Returns the violation, if any. A row with no claim issued (the guard
         failed when it was) fails closed."""
+        kinds, pages = self._seal_landed(row, step, checksums, sent_seal, sent_tokens)
+        if not kinds:
+            return None
+        described = self.ledger.describe_many(pages[:8].tolist())
+        return Violation(new_violation_id(), Kind(kinds), step, request_id, row, described)
+
+    def _seal_landed(
+        self, row: int, step: int, checksums: bool, sent_seal: int | None, sent_tokens: int | None
+    ) -> tuple[int, torch.Tensor]:
+        """(verdict bits, pages to name in a violation) of ``land``."""
         claim = self._by_row.pop(row, None)
         none = torch.empty(0, dtype=torch.int64)
         if claim is None:
@@ -120,11 +140,11 @@ class TransferClaims:
             claim.pages,
             claim.epoch0,
             claim.num_tokens,
-            buffers,
+            self.buffers,
             self.ledger.page_size,
             step,
             checksums,
-            digests,
+            self.digests,
         )
         if kinds or sent_tokens is None:
             return kinds, pages
@@ -134,23 +154,19 @@ class TransferClaims:
         off = torch.arange(ps, device=claim.pages.device)
         slots = (claim.pages[:, None] * ps + off).reshape(-1)[: claim.num_tokens]
         # checksum modes sealed the landed bytes' digests just now: their sum is the landed seal
-        landed = guard_ref.range_digest(self.ledger.pages, slots, buffers, ps, checksums, digests)
+        landed = guard_ref.range_digest(
+            self.ledger.pages, slots, self.buffers, ps, checksums, self.digests
+        )
         if landed != sent_seal:
             return int(guard_ref.TRANSFER_MISMATCH), claim.pages
         return 0, pages
 
-    def send_seal(
-        self,
-        slots: torch.Tensor,
-        buffers: Sequence[KvBuffer],
-        checksums: bool,
-        digests: Callable[..., torch.Tensor],
-    ) -> int | None:
+    def send_seal(self, slots: torch.Tensor, checksums: bool) -> int | None:
         """The sender's seal of the positions [0, n) it sends from ``slots`` [n]: in checksum
         modes the ledger's digests of the bytes as they were written (None where the ledger does
         not hold exactly those positions sealed: nothing to vouch with), else the bytes now."""
         return guard_ref.range_digest(
-            self.ledger.pages, slots, buffers, self.ledger.page_size, checksums, digests
+            self.ledger.pages, slots, self.buffers, self.ledger.page_size, checksums, self.digests
         )
 
     def forget(self, rows: torch.Tensor) -> None:

@@ -85,6 +85,35 @@ class StepVerdict:
     read_flagged: bool = False
     read: ReadSums | None = None  # what attention read, kept for a flagged step's forensics
 
+    # Questions asked before the verdict is resolved (host reads: CPU pools only).
+    def found_bad_pages(self) -> bool:
+        """Did the check or attention's read find a page whose content is bad?"""
+        return self.check.flags()[1] or (
+            self.read_pages is not None and bool(self.read_pages.numel())
+        )
+
+    def suspects_any(
+        self, request_id: str | None, slots: torch.Tensor | None, ledger: PageLedger
+    ) -> bool:
+        """Was this request flagged, or does one of these slots sit in a page found bad?"""
+        flagged, tainted, _ = self.check.flags()
+        read_bad = self.read_bad if self.read_flagged else None  # what attention read failed
+        v = self.view
+        if request_id is not None and (flagged or read_bad is not None) and v.request_ids:
+            B = len(v.prefix_lens_host)
+            kinds = self.check.kinds[:B].tolist()
+            bad = read_bad[:B].tolist() if read_bad is not None else [False] * B
+            ids = v.request_ids
+            if any(rid == request_id and (k or b) for rid, k, b in zip(ids, kinds, bad)):
+                return True
+        if slots is not None and (tainted or read_bad is not None):
+            pages = ledger.pages_of(slots.to(ledger.device))
+            if tainted and bool(self.check.taint[pages].any()):
+                return True
+            if self.read_pages is not None and self.read_pages.numel():
+                return bool(torch.isin(pages, self.read_pages.to(pages.device)).any())
+        return False
+
 
 @dataclass(slots=True)
 class Violation:
@@ -186,6 +215,38 @@ def forensic_record(
     suspects = [{**d, "positions": reasons[int(d["page"])]} for d in described]  # type: ignore[call-overload]
     rid = v.request_ids[b] if v.request_ids else None
     return Violation(new_violation_id(), kinds, v.step, rid, row, suspects)
+
+
+def guard_errors(handles: list[object], step: int) -> list[Violation]:
+    """One GUARD_ERROR violation per request of a step the guard could not judge."""
+    return [
+        Violation(new_violation_id(), Kind.GUARD_ERROR, step, getattr(h, "rid", None), None)
+        for h in handles
+    ]
+
+
+def step_violations(
+    verdict: StepVerdict | None,
+    handles: list[object],
+    kinds: torch.Tensor,
+    step: int,
+    ledger: PageLedger,
+    records: RowRecords,
+) -> tuple[list[Violation], list[object]]:
+    """The violations of a step's flagged requests (``kinds``: the agreed verdict bits), and
+    their handles: forensic records, or bare ones where this rank has no verdict to name pages
+    from (or the guard could not judge the step)."""
+    violations: list[Violation] = []
+    bad: list[object] = []
+    for b in torch.nonzero(kinds).reshape(-1).tolist():
+        kind = Kind(int(kinds[b]))
+        if verdict is None or kind == Kind.GUARD_ERROR:
+            rid = getattr(handles[b], "rid", None)
+            violations.append(Violation(new_violation_id(), kind, step, rid, None))
+        else:
+            violations.append(forensic_record(verdict, b, kind, ledger, records))
+        bad.append(handles[b])
+    return violations, bad
 
 
 def reads_not_checked(verdict: StepVerdict, read: ReadSums) -> list[int]:

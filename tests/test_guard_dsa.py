@@ -179,7 +179,10 @@ def test_verified_reads_hash_every_dsa_buffer_as_the_seal_does():
         table2 = torch.zeros(3, 200, dtype=torch.int32)
         table2[2], table2[0], table2[1] = table[0], table[1], table[2]  # rows named by the batch
         index = {b.data_ptr(): i for i, b in enumerate(bufs)}  # as Guard.buffer_index
-        guard = SimpleNamespace(buffer_index=lambda b, index=index: index.get(b.data_ptr()))
+        guard = SimpleNamespace(
+            buffer_index=lambda b, index=index: index.get(b.data_ptr()),
+            account_in_forward=lambda seconds: None,  # as Guard.account_in_forward
+        )
         kv_read.clear_record()
         got = [kv_read.hashed_rows(guard, batch, table2, b) for b in reversed(bufs)]
         rec = kv_read.take_record()

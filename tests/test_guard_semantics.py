@@ -94,7 +94,7 @@ def test_premature_free_is_taken_back_and_reported():
     SCENARIOS["premature_free_not_reused"](pool)
     events = [v for v in pool.guard.actions.history if v.request is None]
     assert any(v.kinds & Kind.PREMATURE_FREE for v in events)
-    assert pool.guard.actions.num_reclaimed_total >= 1
+    assert pool.guard.quarantine.num_reclaimed_total >= 1
 
 
 def test_stale_holder_free_is_reported():
@@ -120,7 +120,7 @@ def test_quarantine_escalates_and_intact_readers_go_on():
     pool = _pool("sampled", 16)
     SCENARIOS["bit_flip_shared"](pool)
     g = pool.guard
-    assert g.actions.num_quarantined_total >= 1 and g.flush_wanted
+    assert g.quarantine.num_quarantined_total >= 1 and g.flush_wanted
     assert g.checker.escalated
     assert (g.ledger.state == PageState.QUARANTINED).any()
     g.reset()

@@ -7,10 +7,11 @@ import pytest
 import torch
 from guard_scenarios import SCENARIOS
 
+from kvguard.agreement import intersection, union
 from kvguard.bench.synthetic_pool import SyntheticPool
-from kvguard.guard import ESCALATION_STEPS, _intersection, _union
 from kvguard.health import FAILURES_TO_FAIL_CLOSED
 from kvguard.ledger import PageLedger, PageState
+from kvguard.quarantine import ESCALATION_STEPS
 from kvguard.verdict import Kind
 
 
@@ -90,7 +91,7 @@ def test_escalation_is_bounded_in_time():
     SCENARIOS["bit_flip_shared"](pool)
     g = pool.guard
     assert g.checker.escalated and g.ledger.num_quarantined
-    g.last_quarantine_step = pool.step - ESCALATION_STEPS - 1
+    g.quarantine.last_step = pool.step - ESCALATION_STEPS - 1
     pool.forward([b], 1)
     assert not g.checker.escalated and g.ledger.num_quarantined
 
@@ -162,9 +163,9 @@ def test_agreed_pages_union_and_intersection():
     p = torch.tensor
     mine = (p([5, 9]), p([50, 90]))
     theirs = (p([9, 2]), p([90, 20]))
-    pages, epochs = _union([mine, theirs])
+    pages, epochs = union([mine, theirs])
     assert pages.tolist() == [2, 5, 9] and epochs.tolist() == [20, 50, 90]
-    pages, epochs = _intersection([mine, theirs])
+    pages, epochs = intersection([mine, theirs])
     assert pages.tolist() == [9] and epochs.tolist() == [90]
 
 

@@ -217,7 +217,7 @@ def test_a_store_no_hook_digested_fails_the_seal(sgl, stores, monkeypatch):  # n
     sums = kv_write.take_sums()  # nothing stored
     verdict = SimpleNamespace(inputs=SimpleNamespace(write_slots=slots[:n]))
     with pytest.raises(RuntimeError, match="each exactly once"):
-        guard._writer_sums(verdict, sums)
+        guard.checker.writer_sums(verdict, sums)
     kv_write.begin(guard, fb)
     _q, k, v = _qkv(n)
     pool.set_kv_buffer(layer, slots[:3], k[:3], v[:3])  # three tokens in a forward writing nine
