@@ -23,6 +23,7 @@ from kvguard.fuzz.accounting import (
     Garbage,
     Scan,
     Watch,
+    Written,
     judge,
     live_requests,
     written_by,
@@ -112,8 +113,11 @@ _known: dict[int, Content] = {}
 def known_from(watches) -> None:
     """What ``watches`` (oldest first: a later record of a slot wins) say their slots hold."""
     _known.clear()
-    for watch in watches:
-        _known.update(watch.contents)
+    for watch in watches:  # what a slot rightly holds; not another injection's harm (garbage,
+        # KV written from wrong reads), which would charge that injection's victims to this one
+        _known.update(
+            {s: c for s, c in watch.contents.items() if isinstance(c, Written) and not c.poisoned}
+        )
 
 
 def _page_contents(sched, req, lp, batch=None) -> dict:

@@ -62,9 +62,14 @@ def attach(result, scheduler, *args, **kwargs):
         peers=scheduler_peers(scheduler),
     )
     state.scheduler = scheduler
-    if state.guard.device.type == "cpu":  # its stores digested (kv_write): writers' digests
+    runner = scheduler.tp_worker.model_runner
+    # Writers' digests where kvguard's store hooks see every store: torch_native (and the CPU DSA
+    # path) store through the pool's set_kv_buffer. Another backend may write KV itself (SGLang's
+    # intel_amx decode writes BF16 KV inside its kernel): there the seal hashes the pool instead,
+    # or every step would fail closed on undigested stores.
+    if state.guard.device.type == "cpu" and read_path_unavailable(runner) is None:
         state.guard.enable_write_path()
-    why_not = _read_path_unavailable(scheduler.tp_worker.model_runner)
+    why_not = _read_path_unavailable(runner)
     if why_not is None:  # hashed as attention reads, whenever the mode (even switched) asks
         state.guard.enable_read_path()
     elif state.guard.read_path is ReadPath.PRE_FORWARD_CHECK:
