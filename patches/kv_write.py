@@ -195,13 +195,22 @@ def around_mla_store(original, pool, layer, loc_info, cache_k, cache_v, *args, *
         try:
             lid = _layer_id(layer, args[0] if args else kwargs.get("layer_id_override"))
             check_scales(pool, lid, cpu_fp8_kv.kv_scales(pool, layer))  # the write scaled by it
-            rows = cache_k.to(pool.dtype) if cache_k.dtype != pool.dtype else cache_k
-            if pool.store_dtype != pool.dtype:
-                rows = rows.view(pool.store_dtype)
-            digest_store(pool.kv_buffer[lid - pool.start_layer], _loc(loc_info), rows)
+            _digest_latent(pool, lid, loc_info, [cache_k])
         except Exception as exc:
             _fail(f"MLA store not digested: {type(exc).__name__}: {exc}")
     return original(pool, layer, loc_info, cache_k, cache_v, *args, **kwargs)
+
+
+def _digest_latent(pool, lid: int, loc_info, parts: list[torch.Tensor]) -> None:
+    """Digest the latent row made of ``parts`` as the MLA pool stores it: each cast to the
+    pool's dtype, concatenated, viewed as its storage dtype."""
+    parts = [p.to(pool.dtype) if p.dtype != pool.dtype else p for p in parts]
+    rows = (
+        parts[0] if len(parts) == 1 else torch.cat([p.reshape(p.shape[0], -1) for p in parts], -1)
+    )
+    if pool.store_dtype != pool.dtype:
+        rows = rows.view(pool.store_dtype)
+    digest_store(pool.kv_buffer[lid - pool.start_layer], _loc(loc_info), rows)
 
 
 def around_mla_split_store(original, pool, layer, loc_info, nope, rope, *args, **kwargs):
@@ -212,11 +221,7 @@ def around_mla_split_store(original, pool, layer, loc_info, nope, rope, *args, *
                 raise UndigestedStore("SGLang's packed DSA FP8 latent store is not modelled")
             lid = _layer_id(layer, args[0] if args else kwargs.get("layer_id_override"))
             parts = [nope] if rope is None or rope.numel() == 0 else [nope, rope]
-            parts = [p.to(pool.dtype) if p.dtype != pool.dtype else p for p in parts]
-            rows = torch.cat([p.reshape(p.shape[0], -1) for p in parts], dim=-1)
-            if pool.store_dtype != pool.dtype:
-                rows = rows.view(pool.store_dtype)
-            digest_store(pool.kv_buffer[lid - pool.start_layer], _loc(loc_info), rows)
+            _digest_latent(pool, lid, loc_info, [p.reshape(p.shape[0], -1) for p in parts])
         except Exception as exc:
             _fail(f"MLA store not digested: {type(exc).__name__}: {exc}")
     return original(pool, layer, loc_info, nope, rope, *args, **kwargs)
