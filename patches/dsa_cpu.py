@@ -196,8 +196,10 @@ def indexer_qkw(indexer, x, q_lora, positions):
     query = query.view(-1, indexer.n_heads, indexer.head_dim)
     key, _ = indexer.wk(x)
     key = indexer.k_norm(key)
+    # keys go in as one head ([T, 1, rope]): SGLang's YaRN rope (DeepseekScalingRotaryEmbedding)
+    # broadcasts its [T, 1, rope] cos/sin against a [T, rope] key into [T, T, rope] off CUDA
     q_rope, k_rope = indexer.rotary_emb(
-        positions, query[..., :rope].clone(), key[..., :rope].clone()
+        positions, query[..., :rope].clone(), key[..., :rope].clone().unsqueeze(1)
     )
     query = torch.cat([q_rope.view(query.shape[0], query.shape[1], rope), query[..., rope:]], -1)
     key = torch.cat([k_rope.view(key.shape[0], rope), key[..., rope:]], -1).to(torch.bfloat16)

@@ -35,7 +35,7 @@ from kvguard.serve.preflight import (
     LaunchError,
     check_listen_address,
     check_model_path,
-    deepseek_moe_overrides,
+    supplied_model_fields,
 )
 
 PROG = "kvguard-serve"
@@ -198,16 +198,16 @@ def prepare(argv: list[str]):
         raise LaunchError("--embedded-model and --model-path: give one of them")
     check_model_path(model_path, given.get("load_format", "auto"))
     check_listen_address(given.get("host", defaults["host"]), given.get("port", defaults["port"]))
-    # A config saved by transformers 5 lacks MoE fields its model code fixes: SGLang gets them as
-    # model overrides (the user's own overrides win)
-    moe_supplied = deepseek_moe_overrides(model_path)
-    if moe_supplied:
+    # A config saved by transformers 5 lacks fields its model code fixes (DeepSeek MoE routing, the
+    # GLM-5 indexer's rope layout): SGLang gets them as model overrides (the user's own win)
+    supplied = supplied_model_fields(model_path)
+    if supplied:
         try:
             user = json.loads(given.get("json_model_override_args") or "{}")
         except json.JSONDecodeError as e:
             raise LaunchError(f"--json-model-override-args: not JSON ({e})") from None
-        moe_supplied = {k: v for k, v in moe_supplied.items() if k not in user}
-        extra += ["--json-model-override-args", json.dumps({**moe_supplied, **user})]
+        supplied = {k: v for k, v in supplied.items() if k not in user}
+        extra += ["--json-model-override-args", json.dumps({**supplied, **user})]
 
     if device == "cpu":
         extra += _unset(given, "device", ["--device", "cpu"])
@@ -260,10 +260,10 @@ def prepare(argv: list[str]):
     logconfig.configure(kv.log_format, log_level)
     if fp8_skipped:
         _log().warning("kv_cache_fp8_default_skipped", reason=fp8_skipped)
-    if moe_supplied:
+    if supplied:
         _log().info(
             "model_config_fields_supplied",
-            fields=moe_supplied,
+            fields=supplied,
             why="config.json lacks them; transformers' model code for this architecture fixes them",
         )
 

@@ -108,6 +108,26 @@ def deepseek_moe_overrides(path: str) -> dict:
     )
 
 
+# transformers' GlmMoeDsa indexer always applies interleaved rope and its config has no key for it;
+# SGLang reads indexer_rope_interleave and defaults to NeoX (DeepSeek-V3.2's layout, which
+# transformers' DeepseekV32 also uses): a GlmMoeDsa config without the key means True.
+INDEXER_ROPE_INTERLEAVED = ("GlmMoeDsaForCausalLM",)
+
+
+def supplied_model_fields(path: str) -> dict:
+    """Every config field ``path``'s config.json lacks and its architecture's transformers model
+    fixes, with that value: SGLang gets them as model overrides (see
+    :func:`deepseek_moe_overrides`, which also refuses what cannot be supplied)."""
+    fields = deepseek_moe_overrides(path)
+    config = Path(path).expanduser() / "config.json"
+    if config.is_file():
+        cfg = json.loads(config.read_text())
+        archs = set(cfg.get("architectures") or [])
+        if archs & set(INDEXER_ROPE_INTERLEAVED) and "indexer_rope_interleave" not in cfg:
+            fields["indexer_rope_interleave"] = True
+    return fields
+
+
 def check_listen_address(host: str, port: int) -> None:
     """The HTTP server can bind ``host:port`` (checked the way uvicorn binds: SO_REUSEADDR)."""
     if not 0 < port < 65536:
