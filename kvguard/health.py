@@ -10,16 +10,20 @@ restart, since a guard that cannot run its own code is a deployment problem to l
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Callable
 
-# Consecutive steps whose check failed before the server reports itself unhealthy.
+# Failed checks among the last CHECK_WINDOW steps that turn the server unhealthy: 8 in a row, or
+# intermittent failures at a rate of 1 in 8 (each of which aborted a batch while /health said 200).
 FAILURES_TO_FAIL_CLOSED = 8
+CHECK_WINDOW = 64
 
 
 class GuardHealth:
     def __init__(self, quarantine_cap_pages: int) -> None:
         self.quarantine_cap_pages = quarantine_cap_pages
         self.consecutive_failures = 0
+        self._recent: deque[bool] = deque(maxlen=CHECK_WINDOW)  # True: that step's check failed
         self._failed: str | None = None  # latched: internal failures
         self._over_cap: str | None = None  # clears once quarantine is back under half the cap
         self.listeners: list[Callable[[str | None], None]] = []
@@ -35,10 +39,12 @@ class GuardHealth:
 
     def step_failed(self, where: str) -> None:
         self.consecutive_failures += 1
-        if self.consecutive_failures >= FAILURES_TO_FAIL_CLOSED and self._failed is None:
+        self._recent.append(True)
+        failed = sum(self._recent)
+        if failed >= FAILURES_TO_FAIL_CLOSED and self._failed is None:
             self._set(
                 "_failed",
-                f"kvguard failed {self.consecutive_failures} consecutive checks (last in "
+                f"kvguard failed {failed} of its last {len(self._recent)} checks (last in "
                 f"{where}); restart the server",
             )
 
@@ -49,6 +55,7 @@ class GuardHealth:
 
     def step_succeeded(self) -> None:
         self.consecutive_failures = 0
+        self._recent.append(False)
 
     def quarantined(self, pages_now: int) -> None:
         cap = self.quarantine_cap_pages

@@ -314,7 +314,6 @@ OPTIONS: list[Row] = [
     *_family(REFUSED, _PD,
         ("disaggregation_transfer_backend", "--disaggregation-transfer-backend",
          changed("mooncake")),
-        ("disaggregation_ib_device", "--disaggregation-ib-device", SET),
         ("disaggregation_decode_enable_radix_cache", "--disaggregation-decode-enable-radix-cache",
          ON),
         ("disaggregation_decode_enable_offload_kvcache",
@@ -325,9 +324,13 @@ OPTIONS: list[Row] = [
         ("disaggregation_decode_allocation_policy", "--disaggregation-decode-allocation-policy",
          changed("early")),
         ("enable_pd_role_switch", "--enable-pd-role-switch", ON),
-        ("num_reserved_decode_tokens", "--num-reserved-decode-tokens", changed(512)),
         ("optimistic_prefill_attempts", "--optimistic-prefill-attempts", changed(0)),
     ),
+    Row("disaggregation_ib_device", "--disaggregation-ib-device", ANY, NEUTRAL,
+        "picks the NIC a PD transfer uses; what lands is checked against the sender's digests "
+        "whichever device carried it", _PASSES),
+    Row("num_reserved_decode_tokens", "--num-reserved-decode-tokens", ANY, NEUTRAL,
+        "reserves pool tokens for decode in admission; " + _ORDER.split("; ", 1)[1], _PASSES),
     *_family(REFUSED, "kvguard does not guard PD multiplexing (split-prefill forwards on "
              "green-context streams beside decode)",
         ("enable_pdmux", "--enable-pdmux", ON),

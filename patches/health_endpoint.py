@@ -17,17 +17,30 @@ import tempfile
 import time
 from pathlib import Path
 
+import structlog
+
 ENV_STATE_DIR = "KVGUARD_STATE_DIR"
-HEALTH_PATHS = ("/health", "/health_generate")
-# New work: refused while the guard cannot vouch for it.
-GENERATION_PATHS = (
-    "/generate",
-    "/v1/completions",
-    "/v1/chat/completions",
-    "/v1/responses",
-    "/v1/embeddings",
-    "/encode",
-)
+# Probes: 503 while a guard failed closed, so a router drains the server.
+HEALTH_PATHS = ("/health", "/health_generate", "/ping", "/ready")
+# Routes that start no forward pass (server state, tokenizer, aborts, profiling, the docs):
+# served while unhealthy. Every other route, SGLang's generation routes and any route kvguard
+# does not know (a newer SGLang's, another plugin's), is refused while a guard failed closed.
+PASS_PATHS = frozenset(
+    {
+        "/", "/metrics", "/server_info", "/get_server_info", "/model_info", "/get_model_info",
+        "/v1/models", "/abort_request", "/flush_cache", "/tokenize", "/detokenize",
+        "/v1/tokenize", "/v1/detokenize", "/configure_logging", "/set_trace_level",
+        "/start_profile", "/stop_profile", "/freeze_gc", "/docs", "/docs/oauth2-redirect",
+        "/redoc", "/openapi.json", "/get_load", "/version",
+    }
+)  # fmt: skip
+PASS_PREFIXES = ("/metrics/", "/v1/models/", "/kvguard")
+# With --tokenizer-worker-num > 1 SGLang's HTTP workers import the app from this path: kvguard's
+# wraps SGLang's with the same middleware (the parent's app is not the workers').
+APP_PATH_ENV = "SGLANG_HTTP_SERVER_APP_PATH"
+GUARDED_APP_PATH = "kvguard.patches.health_endpoint:guarded_app"
+SGLANG_APP_PATH = "sglang.srt.entrypoints.http_server:app"
+WRAPPED_APP_ENV = "KVGUARD_WRAPPED_APP_PATH"  # an app path the user set: wrapped, not replaced
 _READ_EVERY_S = 0.25
 
 
@@ -48,8 +61,15 @@ def publish(reason: str | None) -> None:
         return
     out = Path(path) / f"health-{os.getpid()}.json"
     tmp = out.with_suffix(".tmp")
-    tmp.write_text(json.dumps({"pid": os.getpid(), "healthy": reason is None, "reason": reason}))
-    os.replace(tmp, out)
+    state = json.dumps({"pid": os.getpid(), "healthy": reason is None, "reason": reason})
+    try:
+        tmp.write_text(state)
+        os.replace(tmp, out)
+    except OSError as exc:  # called inside the scheduler's step: never raise there (a directory
+        # removed under the server reads as unhealthy at the front door: HealthBoard)
+        structlog.get_logger("kvguard").error(
+            "kvguard_health_unpublished", path=str(out), healthy=reason is None, error=str(exc)
+        )
 
 
 class HealthBoard:
@@ -66,6 +86,12 @@ class HealthBoard:
         if now - self._read_at >= _READ_EVERY_S:
             self._read_at = now
             self._reason = None
+            if not self.directory.is_dir():  # the guards' health cannot be seen: fail closed
+                self._reason = (
+                    f"kvguard's state directory {self.directory} is gone: the guards' health "
+                    "cannot be read; restart the server"
+                )
+                return self._reason
             for f in sorted(self.directory.glob("health-*.json")):
                 try:
                     state = json.loads(f.read_text())
@@ -85,14 +111,50 @@ class FailClosedMiddleware:
         self.app, self.board = app, board
 
     async def __call__(self, scope, receive, send):
-        if scope.get("type") == "http":
-            path = scope.get("path", "")
-            if path in HEALTH_PATHS or path in GENERATION_PATHS:
-                reason = self.board.reason()
-                if reason is not None:
-                    await _refuse(send, path in HEALTH_PATHS, reason)
-                    return
+        kind = scope.get("type")
+        if kind in ("http", "websocket") and not passes(scope.get("path", "")):
+            reason = self.board.reason()
+            if reason is not None:
+                if kind == "websocket":  # /v1/realtime: "try again later"
+                    await send({"type": "websocket.close", "code": 1013, "reason": reason[:120]})
+                else:
+                    await _refuse(send, scope.get("path") in HEALTH_PATHS, reason)
+                return
         await self.app(scope, receive, send)
+
+
+def passes(path: str) -> bool:
+    """Whether ``path`` is served while a guard failed closed."""
+    return path not in HEALTH_PATHS and (path in PASS_PATHS or path.startswith(PASS_PREFIXES))
+
+
+def refused_routes(app) -> list[str]:
+    """The paths in ``app``'s route table refused while a guard failed closed (said at start)."""
+    paths = set()
+    stack = list(app.routes)
+    while stack:
+        route = stack.pop()
+        if hasattr(route, "path"):
+            paths.add(route.path)
+        stack.extend(getattr(route, "routes", None) or [])
+    return sorted(p for p in paths if not passes(p))
+
+
+def _guard(app):
+    """``app`` with the fail-closed middleware, once."""
+    if not getattr(app.state, "kvguard_fail_closed", False):
+        app.add_middleware(FailClosedMiddleware, board=HealthBoard(ensure_state_dir()))
+        app.state.kvguard_fail_closed = True
+    return app
+
+
+def __getattr__(name: str):
+    if name == "guarded_app":  # an HTTP worker's import (GUARDED_APP_PATH)
+        import importlib
+
+        module, _, attr = os.environ.get(WRAPPED_APP_ENV, SGLANG_APP_PATH).partition(":")
+        return _guard(getattr(importlib.import_module(module), attr))
+    raise AttributeError(name)
 
 
 async def _refuse(send, probe: bool, reason: str) -> None:
@@ -118,5 +180,10 @@ def before_launch_server(server_args, *args, **kwargs):
     the middleware that reads it."""
     from sglang.srt.entrypoints.http_server import app
 
-    board = HealthBoard(ensure_state_dir())
-    app.add_middleware(FailClosedMiddleware, board=board)
+    _guard(app)
+    if os.environ.get(APP_PATH_ENV, GUARDED_APP_PATH) != GUARDED_APP_PATH:
+        os.environ[WRAPPED_APP_ENV] = os.environ[APP_PATH_ENV]
+    os.environ[APP_PATH_ENV] = GUARDED_APP_PATH  # HTTP workers (--tokenizer-worker-num > 1)
+    structlog.get_logger("kvguard").info(
+        "kvguard_fail_closed_routes", refused_while_unhealthy=refused_routes(app)
+    )
