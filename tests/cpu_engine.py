@@ -19,6 +19,7 @@ CPU_ENGINE_ARGS: dict[str, Any] = dict(
     attention_backend="torch_native",
     disable_cuda_graph=True,
     skip_server_warmup=True,
+    sleep_on_idle=True,  # an idle scheduler otherwise spins a core the test itself needs
     log_level="warning",
 )
 SGLANG_CACHE_DIR = os.path.join(tempfile.gettempdir(), "kvguard-sglang-cache")
