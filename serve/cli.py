@@ -228,10 +228,6 @@ def prepare(argv: list[str]):
                 "disabled",
             ]
         extra += _unset(given, "skip_server_warmup", ["--skip-server-warmup"])
-        # An idle scheduler otherwise spins a whole core polling its sockets, taken from the
-        # forward's threads (and from every other server on the machine); the sleeper wakes on
-        # the first message (zmq poll), so a request waits for nothing
-        extra += _unset(given, "sleep_on_idle", ["--sleep-on-idle"])
         if not {"max_total_tokens", "mem_fraction_static"} & given.keys():
             extra += ["--max-total-tokens", str(CPU_MAX_TOTAL_TOKENS)]
         if given.get("disaggregation_mode") == "decode":  # SGLang's inferred host_pool needs CUDA

@@ -69,6 +69,11 @@ def serve_processes(tmp_path_factory: pytest.TempPathFactory) -> Iterator[StartS
     started: list[ServeProcess] = []
 
     def start(args: list[str], env: dict[str, str] | None = None) -> ServeProcess:
+        if not any(a.startswith(("--sleep-on-idle", "--disaggregation-mode")) for a in args):
+            # an idle SGLang scheduler spins a core (10 CPU-s per 10 s measured), taken from the
+            # next server a module starts on a 2-core machine. Not for a PD pair: its loops call
+            # the sleeper while transfers are in flight, which no socket it polls announces
+            args = [*args, "--sleep-on-idle"]
         srv = ServeProcess(args, root / f"server-{len(started)}.log", env)
         started.append(srv)
         try:
