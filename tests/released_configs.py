@@ -15,10 +15,10 @@ Built once per machine, like :mod:`tiny_model`.
 
 from __future__ import annotations
 
-import hashlib
 import shutil
-import tempfile
 from pathlib import Path
+
+from tiny_model import cached_build
 
 INDEX_TOPK = 32
 
@@ -70,19 +70,7 @@ def kimi_k2() -> Path:
 
 
 def _cached(name: str, arch: str, fields: dict) -> Path:
-    digest = hashlib.sha256(Path(__file__).read_bytes()).hexdigest()[:12]
-    root = Path(tempfile.gettempdir()) / "kvguard-test-models"
-    out = root / f"released-{name}-{digest}"
-    if (out / "model.safetensors").is_file():
-        return out
-    root.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(dir=root, prefix="building-"))
-    _build(staging, arch, fields)
-    try:
-        staging.rename(out)
-    except OSError:  # another process finished first
-        shutil.rmtree(staging, ignore_errors=True)
-    return out
+    return cached_build(f"released-{name}", __file__, lambda out: _build(out, arch, fields))
 
 
 def _build(out: Path, arch: str, fields: dict) -> None:

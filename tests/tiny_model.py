@@ -23,21 +23,27 @@ def default_model() -> Path | None:
         return None
 
 
-def tiny_random_llama() -> Path:
-    """Built once per machine and cached under the temp dir, keyed by this file's source."""
-    digest = hashlib.sha256(Path(__file__).read_bytes()).hexdigest()[:12]
+def cached_build(name: str, source: str, build) -> Path:
+    """``build(dir)``'s checkpoint, built once per machine under the temp dir and keyed by the
+    source file that defines it (``source``: its ``__file__``); concurrent builders race safely."""
+    digest = hashlib.sha256(Path(source).read_bytes()).hexdigest()[:12]
     root = Path(tempfile.gettempdir()) / "kvguard-test-models"
-    out = root / f"random-llama-{digest}"
+    out = root / f"{name}-{digest}"
     if (out / "model.safetensors").is_file():
         return out
     root.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(dir=root, prefix="building-"))
-    _build(staging)
+    build(staging)
     try:
         staging.rename(out)
     except OSError:  # another process finished first
         shutil.rmtree(staging, ignore_errors=True)
     return out
+
+
+def tiny_random_llama() -> Path:
+    """Built once per machine and cached under the temp dir, keyed by this file's source."""
+    return cached_build("random-llama", __file__, _build)
 
 
 def _build(out: Path) -> None:
@@ -97,19 +103,7 @@ _GLM_SGLANG_KEYS = dict(
 def tiny_random_glm_dsa() -> Path:
     """A random-init GLM-5-architecture checkpoint at toy size, with the default model's
     tokenizer; built once per machine (cached like :func:`tiny_random_llama`)."""
-    digest = hashlib.sha256(Path(__file__).read_bytes()).hexdigest()[:12]
-    root = Path(tempfile.gettempdir()) / "kvguard-test-models"
-    out = root / f"random-glm-dsa-{digest}"
-    if (out / "model.safetensors").is_file():
-        return out
-    root.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(dir=root, prefix="building-"))
-    _build_glm_dsa(staging)
-    try:
-        staging.rename(out)
-    except OSError:  # another process finished first
-        shutil.rmtree(staging, ignore_errors=True)
-    return out
+    return cached_build("random-glm-dsa", __file__, _build_glm_dsa)
 
 
 def _build_glm_dsa(out: Path) -> None:
