@@ -97,16 +97,17 @@ class ServeProcess:
                 )
             time.sleep(1)
 
-    def stop(self, timeout_s: float = 90) -> int | None:
-        """SIGTERM, then SIGKILL for whatever is left of the process tree. Returns the exit code
-        (None if it was never started)."""
+    def stop(self, timeout_s: float = 90, drain: bool = True) -> int | None:
+        """SIGTERM (SGLang drains the requests in flight first: ~10 s even when idle), or with
+        ``drain=False`` SIGINT (stop now: a test's teardown); then SIGKILL for whatever is left
+        of the process tree. Returns the exit code (None if it was never started)."""
         if self.proc is None:
             return None
         children = []
         if self.proc.poll() is None:
             with contextlib.suppress(psutil.NoSuchProcess):
                 children = psutil.Process(self.proc.pid).children(recursive=True)
-            self.proc.send_signal(signal.SIGTERM)
+            self.proc.send_signal(signal.SIGTERM if drain else signal.SIGINT)
             try:
                 self.proc.wait(timeout_s)
             except subprocess.TimeoutExpired:

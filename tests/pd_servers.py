@@ -36,9 +36,9 @@ PROMPTS = [
 
 class PDPair:
     """Prefill, decode and router in guard mode ``kvguard_mode`` (None: kvguard-serve's default),
-    plus a single server with the same arguments, guard off (the reference). ``decode_env``:
-    added to the decode server's environment; ``pair_args``: more arguments of both servers of
-    the pair."""
+    plus a single server with the same arguments, guard off (the reference). ``prefill_env``,
+    ``decode_env``: added to that server's environment; ``pair_args``: more arguments of both
+    servers of the pair."""
 
     def __init__(
         self,
@@ -46,6 +46,7 @@ class PDPair:
         kvguard_mode: str | None,
         decode_env: dict[str, str] | None = None,
         pair_args: list[str] | None = None,
+        prefill_env: dict[str, str] | None = None,
     ):
         self.bootstrap_port = free_port()
         self.prefill = ServeProcess(
@@ -53,6 +54,7 @@ class PDPair:
             + SERVER_ARGS
             + (pair_args or []),
             root / "prefill.log",
+            prefill_env,
         )
         self.decode = ServeProcess(
             pd_server_args("decode", None, kvguard_mode) + SERVER_ARGS + (pair_args or []),
@@ -74,7 +76,15 @@ class PDPair:
     def stop(self) -> None:
         self.router.stop()
         with ThreadPoolExecutor(len(self.servers)) as pool:
-            list(pool.map(lambda s: s.stop(), self.servers))
+            list(pool.map(lambda s: s.stop(drain=False), self.servers))
+
+
+def violations(pair: PDPair) -> tuple[float, float]:
+    """kvguard_violations_total of the prefill and of the decode server."""
+    p, d = (
+        s.metric_totals().get("kvguard_violations_total", 0.0) for s in (pair.prefill, pair.decode)
+    )
+    return p, d
 
 
 def generate(url: str, prompt: str, **fields: object) -> dict:

@@ -146,4 +146,4 @@ def test_tokenizer_workers_fail_closed(serve_processes, tmp_path):
     sick.unlink()
     time.sleep(2 * front._READ_EVERY_S)
     assert post("/generate") == 200
-    srv.stop()
+    srv.stop(drain=False)

@@ -16,6 +16,8 @@ from __future__ import annotations
 import json
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 import requests
@@ -25,6 +27,7 @@ from pd_servers import (
     PDPair,
     assert_pair_serves_the_single_server_s_outputs,
     generate,
+    violations,
 )
 
 from kvguard.serve.child import ServerDied
@@ -33,14 +36,41 @@ FLIP_ROOM = 4_242_424_242
 FLIP_IN_FLIGHT_ROOM = 4_242_424_243
 
 
+@dataclass
+class GuardedPair:
+    """The module's one pair, guarded, with its runtime switches: the decode server's fault
+    plan (``control``, ``fuzz_log``: fuzz/plugin.py) and each server's mode file (the mode
+    switches at a flush), so guard off and guard on share one start."""
+
+    pair: PDPair
+    control: Path
+    fuzz_log: Path
+    mode_files: dict[str, Path]
+
+    def set_mode(self, mode: str, servers: tuple[str, ...] = ("prefill", "decode")) -> None:
+        for name in servers:
+            self.mode_files[name].write_text(mode)
+            assert getattr(self.pair, name).flush_cache()
+
+
 @pytest.fixture(scope="module")
-def guarded_pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PDPair]:
+def guarded(tmp_path_factory: pytest.TempPathFactory) -> Iterator[GuardedPair]:
+    root = tmp_path_factory.mktemp("pd-guard")
+    control, fuzz_log = root / "control.json", root / "fuzz.jsonl"
+    control.write_text(json.dumps({"plan": []}))
+    modes = {name: root / f"{name}.mode" for name in ("prefill", "decode")}
+    for path in modes.values():
+        path.write_text("verified")
     pair = PDPair(
-        tmp_path_factory.mktemp("pd-guard"),
+        root,
         kvguard_mode=None,  # kvguard-serve's default: verified
+        prefill_env={"KVGUARD_MODE_FILE": str(modes["prefill"])},
         decode_env={
             "KVGUARD_TEST_PD_FLIP_ROOM": str(FLIP_ROOM),
             "KVGUARD_TEST_PD_FLIP_IN_FLIGHT_ROOM": str(FLIP_IN_FLIGHT_ROOM),
+            "KVGUARD_FUZZ_CONTROL": str(control),
+            "KVGUARD_FUZZ_LOG": str(fuzz_log),
+            "KVGUARD_MODE_FILE": str(modes["decode"]),
         },
     )
     try:
@@ -48,14 +78,17 @@ def guarded_pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PDPair]:
     except ServerDied as exc:
         pair.stop()
         pytest.fail(str(exc))
-    yield pair
+    yield GuardedPair(pair, control, fuzz_log, modes)
     pair.stop()
 
 
-def _violations(pair: PDPair) -> tuple[float, float]:
-    return tuple(  # type: ignore[return-value]
-        s.metric_totals().get("kvguard_violations_total", 0.0) for s in (pair.prefill, pair.decode)
-    )
+@pytest.fixture
+def guarded_pair(guarded: GuardedPair) -> Iterator[PDPair]:
+    """The shared pair, guarded (verified) on both servers, as every test finds it."""
+    yield guarded.pair
+    for name, path in guarded.mode_files.items():
+        if path.read_text() != "verified":
+            guarded.set_mode("verified", (name,))
 
 
 def _guard_reports(url: str) -> list[dict]:
@@ -70,16 +103,28 @@ def test_guarded_pair_serves_a_single_server_s_outputs(guarded_pair: PDPair) -> 
     pair = guarded_pair
     for server in (pair.prefill, pair.decode):
         assert all(r["mode"] == "verified" for r in _guard_reports(server.url))
-    before = _violations(pair)
+    before = violations(pair)
     assert_pair_serves_the_single_server_s_outputs(pair)
     for server in (pair.prefill, pair.decode):
         server.wait_idle()
-    assert _violations(pair) == before, "a clean run through the guarded pair was flagged"
+    assert violations(pair) == before, "a clean run through the guarded pair was flagged"
     for server in (pair.prefill, pair.decode):
         totals = server.metric_totals()
         assert totals.get("kvguard_steps_checked_total", 0) > 0, server.url
         assert totals.get("kvguard_unchecked_forwards_total", 0) == 0, server.url
         assert totals.get("kvguard_internal_errors_total", 0) == 0, server.url
+
+
+@pytest.mark.engine
+def test_pair_with_the_guard_off_serves_a_single_server_s_outputs(
+    guarded: GuardedPair, guarded_pair: PDPair
+) -> None:
+    """The CPU prefill/decode path itself (patches/pd_cpu.py), the guard switched off on both
+    servers: what test_pd_pair.py's transfer test moves byte for byte serves a whole model."""
+    guarded.set_mode("off")
+    assert_pair_serves_the_single_server_s_outputs(guarded.pair)
+    guarded.pair.decode.wait_idle()
+    assert guarded.pair.decode.metric_totals().get("kvguard_violations_total", 0) == 0
 
 
 def _by_hand(pair: PDPair, prompt: str, room: int, **fields: object) -> requests.Response:
@@ -114,7 +159,7 @@ def test_transferred_kv_changed_before_its_first_read_flags_only_its_request(
     clean_prompt = PROMPTS[1]
     expected = generate(pair.single.url, clean_prompt)
     before = pair.decode.metric_totals()
-    prefill_before = _violations(pair)[0]
+    prefill_before = violations(pair)[0]
     with ThreadPoolExecutor(2) as pool:
         clean = pool.submit(generate, pair.router.url, clean_prompt)
         flipped = _by_hand(pair, PROMPTS[2], room)
@@ -128,7 +173,7 @@ def test_transferred_kv_changed_before_its_first_read_flags_only_its_request(
     assert after["kvguard_requests_aborted_total"] - before.get(
         "kvguard_requests_aborted_total", 0
     ) == 1  # fmt: skip
-    assert _violations(pair)[0] == prefill_before  # the prefill sent intact KV
+    assert violations(pair)[0] == prefill_before  # the prefill sent intact KV
     log = pair.decode.log_tail(200_000)
     assert "kvguard_test_flip" in log and kind in log
     assert "kvguard_transfer_unsealed" not in log  # every transfer came with the prefill's seal
@@ -141,97 +186,45 @@ def test_transferred_kv_changed_before_its_first_read_flags_only_its_request(
 
 
 @pytest.mark.engine
-def test_retracted_requests_are_restored_checked_and_served(
-    tmp_path_factory: pytest.TempPathFactory,
-) -> None:
-    """SGLang's test switch SGLANG_TEST_RETRACT retracts a running decode request every third
-    forward; its KV goes to the cpu_tensor backup (kvguard-serve's default on CPU) and is
-    restored on resume. The guard seals the backup and checks the restore as a landing: the
-    pair serves the single server's outputs with nothing flagged (a restore the guard did not
-    model would be flagged at its first read). SGLang's own hand-off checksum runs beside the
-    guard on both servers (--disaggregation-enable-kv-checksum; its digest on the host,
-    patches/pd_cpu.py) and aborts nothing either."""
-    pair = PDPair(
-        tmp_path_factory.mktemp("pd-retract"),
-        kvguard_mode=None,
-        decode_env={"SGLANG_TEST_RETRACT": "1"},
-        pair_args=["--disaggregation-enable-kv-checksum"],
-    )
-    try:
-        pair.start()
-        assert_pair_serves_the_single_server_s_outputs(pair)
-        pair.decode.wait_idle()
-        totals = pair.decode.metric_totals()
-        assert totals.get("sglang:num_retracted_requests_total", 0) > 0, "nothing was retracted"
-        assert _violations(pair) == (0.0, 0.0)
-        assert totals.get("kvguard_internal_errors_total", 0) == 0
-        assert totals.get("kvguard_transfers_checked_total", 0) > 0
-        log = pair.decode.log_tail(1_000_000)
-        # SGLang's checksum compared every transfer (a layout it cannot compare says "skipped")
-        assert "KV checksum mismatch" not in log and "KV checksum skipped" not in log
-    except ServerDied as exc:
-        pytest.fail(str(exc))
-    finally:
-        pair.stop()
-
-
-@pytest.mark.engine
 def test_transfers_misdirected_or_truncated_are_caught_by_the_prefill_s_seal(
-    tmp_path_factory: pytest.TempPathFactory,
+    guarded: GuardedPair, guarded_pair: PDPair
 ) -> None:
     """The fuzz tool's PD classes (fuzz/pd_faults.py), through SGLang's real transfer path: the
     destination pages the decode server sends the prefill name one page twice (two pages'
     KV land in one page's slots, the other keeps what it held) or lose their last page (the prefill sends fewer
     pages than it holds). Ownership sees nothing wrong; the bytes that land do not match the
     prefill's seal: each such request is aborted, and the next one is served."""
-    root = tmp_path_factory.mktemp("pd-fuzz")
-    control, fuzz_log, mode = root / "control.json", root / "fuzz.jsonl", root / "mode"
-    control.write_text(json.dumps({"plan": []}))
-    mode.write_text("verified")
-    pair = PDPair(
-        root,
-        kvguard_mode=None,
-        decode_env={
-            "KVGUARD_FUZZ_CONTROL": str(control),
-            "KVGUARD_FUZZ_LOG": str(fuzz_log),
-            "KVGUARD_MODE_FILE": str(mode),  # the guard-off arm below
-        },
-    )
+    pair, control, fuzz_log = guarded_pair, guarded.control, guarded.fuzz_log
     classes = ["transfer_misdirected", "transfer_truncated"]
-    try:
-        pair.start()
-        expected = generate(pair.single.url, PROMPTS[2])
-        plan: list[dict] = []
-        for i, cls in enumerate(classes):
-            plan.append({"id": i + 1, "cls": cls})
-            control.write_text(json.dumps({"plan": plan}))
-            room = 4_242_424_250 + i
-            hit = _by_hand(pair, PROMPTS[2], room)
-            assert hit.status_code != 200, (cls, hit.text[:300])
-            assert "KV cache integrity violation" in hit.text, (cls, hit.text[:300])
-            events = [json.loads(line) for line in fuzz_log.read_text().splitlines()]
-            injected = [e for e in events if e["event"] == "injected" and e["cls"] == cls]
-            assert [e["detail"]["room"] for e in injected] == [room], events
-        pair.decode.wait_idle()
-        assert pair.decode.log_tail(200_000).count("transfer_mismatch") >= len(classes)
-        assert generate(pair.router.url, PROMPTS[2])["output_ids"] == expected["output_ids"]
-        assert _violations(pair)[0] == 0  # the prefill sent intact KV
-        # the fault is real: with the decode server's guard off the request is answered from the
-        # misplaced KV (the tiny model's greedy tokens may survive it; its logprobs do not)
-        mode.write_text("off")
-        assert pair.decode.flush_cache()  # the mode switches at the flush
-
-        def logprobs(room: int) -> list[float]:
-            r = _by_hand(pair, PROMPTS[2], room, return_logprob=True)
-            assert r.status_code == 200, r.text[:300]
-            return [lp for lp, *_ in r.json()["meta_info"]["output_token_logprobs"]]
-
-        clean_off = logprobs(4_242_424_258)
-        plan.append({"id": len(plan) + 1, "cls": "transfer_misdirected"})
+    expected = generate(pair.single.url, PROMPTS[2])
+    mismatches = pair.decode.log_tail(1_000_000).count("transfer_mismatch")
+    plan: list[dict] = []
+    for i, cls in enumerate(classes):
+        plan.append({"id": i + 1, "cls": cls})
         control.write_text(json.dumps({"plan": plan}))
-        assert logprobs(4_242_424_259) != clean_off
-        assert logprobs(4_242_424_260) == clean_off  # and the next transfer is intact again
-    except ServerDied as exc:
-        pytest.fail(str(exc))
-    finally:
-        pair.stop()
+        room = 4_242_424_250 + i
+        hit = _by_hand(pair, PROMPTS[2], room)
+        assert hit.status_code != 200, (cls, hit.text[:300])
+        assert "KV cache integrity violation" in hit.text, (cls, hit.text[:300])
+        events = [json.loads(line) for line in fuzz_log.read_text().splitlines()]
+        injected = [e for e in events if e["event"] == "injected" and e["cls"] == cls]
+        assert [e["detail"]["room"] for e in injected] == [room], events
+    pair.decode.wait_idle()
+    caught = pair.decode.log_tail(1_000_000).count("transfer_mismatch") - mismatches
+    assert caught >= len(classes), caught
+    assert generate(pair.router.url, PROMPTS[2])["output_ids"] == expected["output_ids"]
+    assert violations(pair)[0] == 0  # the prefill sent intact KV
+    # the fault is real: with the decode server's guard off the request is answered from the
+    # misplaced KV (the tiny model's greedy tokens may survive it; its logprobs do not)
+    guarded.set_mode("off", ("decode",))
+
+    def logprobs(room: int) -> list[float]:
+        r = _by_hand(pair, PROMPTS[2], room, return_logprob=True)
+        assert r.status_code == 200, r.text[:300]
+        return [lp for lp, *_ in r.json()["meta_info"]["output_token_logprobs"]]
+
+    clean_off = logprobs(4_242_424_258)
+    plan.append({"id": len(plan) + 1, "cls": "transfer_misdirected"})
+    control.write_text(json.dumps({"plan": plan}))
+    assert logprobs(4_242_424_259) != clean_off
+    assert logprobs(4_242_424_260) == clean_off  # and the next transfer is intact again

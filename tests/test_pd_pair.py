@@ -5,7 +5,8 @@ requests routed by ``sglang-router``. Greedy outputs through the pair equal a si
 On a CPU-only machine this runs through kvguard's PD CPU path (patches/pd_cpu.py): the no-device
 libraries the transfer engine links, the prefill's host-index send, the early send of a cached
 prefix (the last prompt shares the third's prefix, so the prefill's prefix cache serves it).
-The guard is off on both servers here; tests/test_pd_guard.py runs the pair guarded.
+tests/test_pd_guard.py serves through one pair, guard on and off; here a pair whose decode
+server retracts requests (SGLang's test switch, fixed at start) has its restores checked.
 """
 
 from __future__ import annotations
@@ -13,10 +14,9 @@ from __future__ import annotations
 import subprocess
 import sys
 import textwrap
-from collections.abc import Iterator
 
 import pytest
-from pd_servers import PDPair, assert_pair_serves_the_single_server_s_outputs
+from pd_servers import PDPair, assert_pair_serves_the_single_server_s_outputs, violations
 
 from kvguard.serve.child import ServerDied
 
@@ -54,18 +54,36 @@ def test_transfer_engine_moves_kv_bytes_over_tcp() -> None:
     assert "transfer 0 True" in out.stdout, out.stdout + out.stderr[-2000:]
 
 
-@pytest.fixture(scope="module")
-def pd_pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PDPair]:
-    pair = PDPair(tmp_path_factory.mktemp("pd"), kvguard_mode="off")
+@pytest.mark.engine
+def test_retracted_requests_are_restored_checked_and_served(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    """SGLang's test switch SGLANG_TEST_RETRACT retracts a running decode request every third
+    forward; its KV goes to the cpu_tensor backup (kvguard-serve's default on CPU) and is
+    restored on resume. The guard seals the backup and checks the restore as a landing: the
+    pair serves the single server's outputs with nothing flagged (a restore the guard did not
+    model would be flagged at its first read). SGLang's own hand-off checksum runs beside the
+    guard on both servers (--disaggregation-enable-kv-checksum; its digest on the host,
+    patches/pd_cpu.py) and aborts nothing either."""
+    pair = PDPair(
+        tmp_path_factory.mktemp("pd-retract"),
+        kvguard_mode=None,
+        decode_env={"SGLANG_TEST_RETRACT": "1"},
+        pair_args=["--disaggregation-enable-kv-checksum"],
+    )
     try:
         pair.start()
+        assert_pair_serves_the_single_server_s_outputs(pair)
+        pair.decode.wait_idle()
+        totals = pair.decode.metric_totals()
+        assert totals.get("sglang:num_retracted_requests_total", 0) > 0, "nothing was retracted"
+        assert violations(pair) == (0.0, 0.0)
+        assert totals.get("kvguard_internal_errors_total", 0) == 0
+        assert totals.get("kvguard_transfers_checked_total", 0) > 0
+        log = pair.decode.log_tail(1_000_000)
+        # SGLang's checksum compared every transfer (a layout it cannot compare says "skipped")
+        assert "KV checksum mismatch" not in log and "KV checksum skipped" not in log
     except ServerDied as exc:
-        pair.stop()
         pytest.fail(str(exc))
-    yield pair
-    pair.stop()
-
-
-@pytest.mark.engine
-def test_pair_serves_greedy_outputs_equal_to_a_single_server(pd_pair: PDPair) -> None:
-    assert_pair_serves_the_single_server_s_outputs(pd_pair)
+    finally:
+        pair.stop()
