@@ -64,6 +64,7 @@ _BUDGET = "tests/test_pool_adapter.py::test_guard_share_of_the_budget"
 _POOL = "tests/test_pool_adapter.py::test_unmodelled_pools_are_refused_in_one_line"
 _PASSES = "tests/test_engine_options.py::test_neutral_options_reach_sglang"
 _PD_PAIR = "tests/test_pd_guard.py::test_guarded_pair_serves_a_single_server_s_outputs"
+_PD_RETRACT = "tests/test_pd_pair.py::test_retracted_requests_are_restored_checked_and_served"
 
 # -- reasons shared by a feature's settings ------------------------------------------------------
 _HICACHE = (
@@ -149,14 +150,14 @@ OPTIONS: list[Row] = [
         "decode; on CPU kvguard's host build of its digest) runs beside the guard's seal, its "
         "buffer apart from the seal's words; a request it aborts is released through "
         "release_kv_cache (hooked)",
-        "tests/test_pd_guard.py::test_retracted_requests_are_restored_checked_and_served"),
+        _PD_RETRACT),
     Row("disaggregation_decode_retraction_backup", "--disaggregation-decode-retraction-backup",
         SET, GUARDED,
         "where a retracted decode request's KV waits (kvguard-serve: cpu_tensor on CPU); the "
         "guard seals a cpu_tensor backup as it is taken and checks its restore as a landing "
         "(claimed slots, the bytes against that seal); a restore with no seal (host_pool) is "
         "not vouched for: that request is aborted, never served unchecked",
-        _PD_PAIR),
+        _PD_RETRACT),
     # ---- neutral: the option changes no KV path the guard checks -----------------------------
     Row("max_total_tokens", "--max-total-tokens", ANY, NEUTRAL, _SIZE, _BUDGET),
     Row("mem_fraction_static", "--mem-fraction-static", ANY, NEUTRAL, _SIZE, _BUDGET),
