@@ -81,10 +81,10 @@ class PDPair:
 
 def violations(pair: PDPair) -> tuple[float, float]:
     """kvguard_violations_total of the prefill and of the decode server."""
-    p, d = (
+    prefill, decode = (
         s.metric_totals().get("kvguard_violations_total", 0.0) for s in (pair.prefill, pair.decode)
     )
-    return p, d
+    return prefill, decode
 
 
 def generate(url: str, prompt: str, **fields: object) -> dict:

@@ -123,8 +123,6 @@ def test_pair_with_the_guard_off_serves_a_single_server_s_outputs(
     servers: what test_pd_pair.py's transfer test moves byte for byte serves a whole model."""
     guarded.set_mode("off")
     assert_pair_serves_the_single_server_s_outputs(guarded.pair)
-    guarded.pair.decode.wait_idle()
-    assert guarded.pair.decode.metric_totals().get("kvguard_violations_total", 0) == 0
 
 
 def _by_hand(pair: PDPair, prompt: str, room: int, **fields: object) -> requests.Response:
