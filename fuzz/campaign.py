@@ -212,7 +212,7 @@ class Runner:
             res["error"] = str(e)[-3000:]
             return run
         finally:
-            res["exit_code"] = srv.stop()
+            srv.stop(drain=False)  # judged already idle: nothing in flight to drain
         self._judge(run, reference, clean, injected)
         return run
 
@@ -294,7 +294,7 @@ class Runner:
                 run.result["deaths"].append(
                     {"wave": w.index, "exit_code": srv.proc.poll(), "log_tail": srv.log_tail(3000)}
                 )
-                srv.stop()
+                srv.stop(drain=False)
                 limit = self.s.max_deaths
                 if run.mode == "off":  # the guard-off arm runs in full: it is the sensitivity
                     limit = self.s.off_max_deaths or len(self.waves) + 1

@@ -9,17 +9,16 @@ another (docs/pd.md: what the guard checks on each side of a pair).
 
 from __future__ import annotations
 
-import contextlib
+import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
 from types import TracebackType
 
-import psutil
 import requests
 
-from kvguard.serve.child import ServerDied, clean_env, free_port
+from kvguard.serve.child import ServerDied, clean_env, free_port, stop_process_tree
 
 ROUTER_START_TIMEOUT_S = 180
 
@@ -89,20 +88,8 @@ class RouterProcess:
         return r.status_code == 200 and r.json().get("healthy_workers") == 2
 
     def stop(self, timeout_s: float = 30) -> None:
-        if self.proc is None or self.proc.poll() is not None:
-            return
-        children = []
-        with contextlib.suppress(psutil.NoSuchProcess):
-            children = psutil.Process(self.proc.pid).children(recursive=True)
-        self.proc.terminate()
-        try:
-            self.proc.wait(timeout_s)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait(10)
-        for p in children:
-            with contextlib.suppress(psutil.NoSuchProcess):
-                p.kill()
+        if self.proc is not None:
+            stop_process_tree(self.proc, signal.SIGTERM, timeout_s)
 
     def log_tail(self, n: int = 4000) -> str:
         return self.log.read_text(errors="replace")[-n:] if self.log.exists() else ""

@@ -6,8 +6,10 @@ live server, ``slow`` tests are long CPU-only matrices, ``gpu`` tests need CUDA.
 ``scripts/test.sh --fast`` runs everything else.
 
 Helpers: ``cpu_engine.py`` (an in-process SGLang engine on CPU), ``tiny_model.py`` and
-``quant_helpers.py`` (models built offline), and the ``serve_processes`` fixture below
-(``kvguard-serve`` subprocesses, :class:`kvguard.serve.child.ServeProcess`).
+``quant_helpers.py`` (models built offline), the ``serve_processes`` fixture below
+(``kvguard-serve`` subprocesses, :class:`kvguard.serve.child.ServeProcess`) and the session's
+``shared_server`` (``shared_server.py``: one kvguard-serve for every test whose arguments agree;
+a server start costs ~30 s on two cores, so a new test uses it unless it needs other arguments).
 """
 
 from __future__ import annotations
@@ -42,6 +44,9 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     if config.getoption("--reverse"):
         items.reverse()
+    # a test that stops the shared server goes last, whatever the order: the others keep it
+    last = [i for i in items if i.get_closest_marker("stops_shared_server")]
+    items[:] = [i for i in items if i not in last] + last
     for item in items:
         marker = PENDING_MARKS.get(f"{item.path.name}::{getattr(item, 'originalname', item.name)}")
         if marker and item.get_closest_marker(marker) is None:
@@ -85,3 +90,13 @@ def serve_processes(tmp_path_factory: pytest.TempPathFactory) -> Iterator[StartS
     yield start
     for srv in started:
         srv.stop(drain=False)  # a teardown: nothing in flight to drain
+
+
+@pytest.fixture(scope="session")
+def shared_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[object]:
+    """The session's shared kvguard-serve (``shared_server.py``), started on first use."""
+    from shared_server import SharedServer  # after SGLANG_USE_CPU_ENGINE is set above
+
+    shared = SharedServer(tmp_path_factory.mktemp("shared-server"))
+    yield shared
+    shared.stop()

@@ -11,8 +11,8 @@ pytestmark = pytest.mark.engine
 
 
 @pytest.fixture(scope="module")
-def client(serve_processes):
-    srv = serve_processes(["--page-size", "16", "--max-total-tokens", "4096"])
+def client(shared_server):
+    srv = shared_server.get()  # the session's kvguard-serve (tests/shared_server.py)
     c = openai.OpenAI(base_url=f"{srv.url}/v1", api_key="unused", max_retries=0, timeout=120)
     yield c
     c.close()

@@ -1,6 +1,7 @@
-"""kvguard-serve end to end: one real server (subprocess, free port, page size 16, small KV pool)
-answering /generate, /v1/completions and /metrics with the guard running in SGLang's scheduler
-process; then a clean SIGTERM shutdown. Bad input must end in one line, before SGLang starts."""
+"""kvguard-serve end to end: a real server (the session's shared one: subprocess, free port, page
+size 16) answering /generate, /v1/completions and /metrics with the guard running in SGLang's
+scheduler process; then a clean SIGTERM shutdown (last in the session). Bad input must end in one
+line, before SGLang starts."""
 
 from __future__ import annotations
 
@@ -12,28 +13,18 @@ from pathlib import Path
 import psutil
 import pytest
 import requests
-from tiny_model import serving_model, tiny_random_llama
+from tiny_model import tiny_random_llama
 
 from kvguard.fuzz.oracle import read_jsonl
-from kvguard.serve.child import ServeProcess, clean_env, free_port, kvguard_serve_command
-
-SERVER_ARGS = [
-    "--page-size",
-    "16",
-    "--max-total-tokens",
-    "1024",
-    "--kvguard-mode",
-    "sampled",
-    "--log-format",
-    "json",
-]
+from kvguard.serve.child import clean_env, free_port, kvguard_serve_command
 
 
 class Server:
-    """A live kvguard-serve (``srv``) and the model it serves."""
+    """The session's shared kvguard-serve (``shared_server.py``) and the model it serves."""
 
-    def __init__(self, srv: ServeProcess, model: Path, is_default: bool):
-        self.srv, self.model, self.is_default = srv, model, is_default
+    def __init__(self, shared):
+        srv = shared.get()
+        self.srv, self.model, self.is_default = srv, shared.model, shared.is_default
         self.proc, self.url, self.log = srv.proc, srv.url, srv.log
 
     def events(self) -> list[dict]:
@@ -53,34 +44,9 @@ class Server:
         return r.json()
 
 
-@pytest.fixture(scope="module")
-def live_server(serve_processes):
-    """The module's server, started on first use and again after a test stopped it (the SIGTERM
-    test does): so no test depends on the order the tests run in."""
-    model, is_default = serving_model()
-    args = list(SERVER_ARGS)
-    if not is_default:  # the default model is what kvguard-serve starts without --model-path
-        args += ["--model-path", str(model)]
-    current: list[Server] = []
-    failed: list[str] = []  # a server that could not start fails every later test at once
-
-    def get() -> Server:
-        if failed:
-            pytest.fail(failed[0])
-        if not current or not current[-1].srv.running():
-            try:
-                current.append(Server(serve_processes(args), model, is_default))
-            except pytest.fail.Exception as exc:
-                failed.append(f"kvguard-serve did not start for an earlier test: {exc}")
-                raise
-        return current[-1]
-
-    return get
-
-
 @pytest.fixture
-def server(live_server) -> Server:
-    return live_server()
+def server(shared_server) -> Server:
+    return Server(shared_server)
 
 
 @pytest.mark.engine
@@ -135,7 +101,8 @@ def test_metrics_include_guard_and_sglang_series(server):
 def test_guard_runs_in_scheduler_process(server):
     info = requests.get(f"{server.url}/server_info", timeout=30).json()
     status = info["kvguard"]  # reported by the scheduler's start-up handshake
-    assert status["active"] and status["mode"] == "sampled" and status["page_size"] == 16
+    assert status["active"] and status["mode"] == "verified" and status["page_size"] == 16
+    assert status["tenant_isolation"] is True  # a kvguard flag reached the scheduler
     assert status["kernels"] == "cpu" and status["state_bytes"] > 0  # the compiled kernels run
     pid = status["pid"]
     assert pid != server.proc.pid
@@ -152,6 +119,7 @@ def test_guard_runs_in_scheduler_process(server):
 
 
 @pytest.mark.engine
+@pytest.mark.stops_shared_server
 def test_sigterm_stops_everything(server):
     children = psutil.Process(server.proc.pid).children(recursive=True)
     assert children

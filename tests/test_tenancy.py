@@ -11,7 +11,6 @@ from array import array
 import pytest
 import requests
 import torch
-from tiny_model import serving_model
 
 from kvguard.patches.tenancy import namespace_of, namespace_seed, tenant_seeds
 
@@ -81,30 +80,10 @@ PROMPT = (
 
 
 @pytest.fixture(scope="module")
-def tenant_server(serve_processes, tmp_path_factory):
-    """kvguard-serve with tenant isolation on, a cache report on the OpenAI routes, and a plain
-    chat template (the default model has none)."""
-    model, _ = serving_model()
-    template = tmp_path_factory.mktemp("tmpl") / "plain.jinja"
-    template.write_text("{% for m in messages %}{{ m['content'] }}\n{% endfor %}")
-    srv = serve_processes(
-        [
-            "--model-path",
-            str(model),
-            "--page-size",
-            "16",
-            "--max-total-tokens",
-            "2048",
-            "--kvguard-mode",
-            "sampled",
-            "--kvguard-tenant-isolation",
-            "--enable-cache-report",
-            "--chat-template",
-            str(template),
-            "--log-format",
-            "json",
-        ]
-    )
+def tenant_server(shared_server):
+    """The session's kvguard-serve (tests/shared_server.py): tenant isolation on, a cache report
+    on the OpenAI routes, and a plain chat template (the default model has none)."""
+    srv = shared_server.get()
     name = requests.get(f"{srv.url}/v1/models", timeout=30).json()["data"][0]["id"]
     return srv, name
 
