@@ -25,7 +25,7 @@ HOOKS = {
     "insert": "on_share",
     "check": "before_forward",
     "seal": "after_forward",
-    "resolve": "_act",
+    "resolve": "plan_actions",
 }
 
 

@@ -5,6 +5,7 @@ frees), counts and logs."""
 
 from __future__ import annotations
 
+from enum import Enum
 from typing import Protocol
 
 import torch
@@ -15,6 +16,17 @@ from kvguard.ledger import PageLedger
 from kvguard.metrics import GuardMetrics
 from kvguard.ratelimit import RateLimitedLog
 from kvguard.verdict import Kind, Violation, new_violation_id
+
+
+class Heal(Enum):
+    """How a flagged request is healed: sent back now, or on its way already."""
+
+    RECOMPUTE = "recompute"
+    AGAIN = "again"
+
+
+# Per flagged request: its violation, its engine handle, how it is healed (None: aborted).
+ActionPlan = list[tuple[Violation, object, "Heal | None"]]
 
 
 class EngineControl(Protocol):
@@ -67,19 +79,27 @@ class Actions:
         self.history: list[Violation] = []  # recent violations, for tests and the debug endpoint
         self.num_violations = 0  # since start: the engine's own consistency checks may now trip
 
+    def plan(
+        self, violations: list[Violation], handles: list[object], breaker_open: bool = False
+    ) -> ActionPlan:
+        """Decide, for each flagged request, heal or abort, touching nothing in the engine (so a
+        failure here leaves every rank free to fail the step closed alike). ``breaker_open``:
+        the step's recompute breaker (agreed over tensor-parallel ranks), so every rank decides
+        alike."""
+        return [(v, h, self._heal_plan(v, h, breaker_open)) for v, h in zip(violations, handles)]
+
+    def apply(self, plan: ActionPlan) -> None:
+        """Carry out a plan: heal (send back for recompute) or abort each request."""
+        for violation, handle, heal in plan:
+            if heal is not None and self._heal(violation, handle, heal):
+                continue
+            self._abort(violation, handle)
+
     def act(
         self, violations: list[Violation], handles: list[object], breaker_open: bool = False
     ) -> None:
-        """Heal or abort each flagged request. ``breaker_open``: the step's recompute breaker
-        (agreed over tensor-parallel ranks), so every rank decides alike."""
-        for violation, handle in zip(violations, handles):
-            if (
-                handle is not None
-                and self.engine is not None
-                and self._heal(violation, handle, breaker_open)
-            ):
-                continue
-            self._abort(violation, handle)
+        """Plan and apply at once (one rank, nothing to agree on)."""
+        self.apply(self.plan(violations, handles, breaker_open))
 
     def abort(self, violations: list[Violation], handles: list[object]) -> None:
         """Abort every one of them (a step the guard could not judge)."""
@@ -95,28 +115,42 @@ class Actions:
                 violation.action = "none"
         self._record(violation)
 
-    def _heal(self, violation: Violation, handle: object, breaker_open: bool) -> bool:
-        """True: the request is healed (sent back now, or already on its way); else it is to be
-        aborted (``violation.why_not_healed`` says why, where recompute was asked)."""
-        if self.healing is None or self.engine is None:
-            return False
+    def _heal_plan(self, violation: Violation, handle: object, breaker_open: bool) -> Heal | None:
+        """How the request is healed (``AGAIN``: it is on its way already, ``RECOMPUTE``: send
+        it back), or None: abort it (``violation.why_not_healed`` says why, where recompute was
+        asked)."""
+        engine = self.engine
+        if handle is None or engine is None or self.healing is None:
+            return None
         if self.healing.config.on_violation is not OnViolation.RECOMPUTE:
-            return False
-        done = self.engine.recomputes(handle)
-        if self.engine.recomputing(handle):
+            return None
+        done = engine.recomputes(handle)
+        violation.recomputes = done
+        if engine.recomputing(handle):
             # Seen again by a step launched before it was sent back (or while SGLang itself had
             # retracted it): that step's output is dropped with it and it re-prefills anyway.
-            violation.action, violation.recomputes = "recompute", done
+            return Heal.AGAIN
+        why = self.healing.why_not(violation.kinds, done, breaker_open, engine.emitted(handle))
+        if why is None:
+            return Heal.RECOMPUTE
+        violation.action, violation.why_not_healed = "abort", why
+        return None
+
+    def _heal(self, violation: Violation, handle: object, heal: Heal) -> bool:
+        """True: the request is healed (sent back now, or already on its way); else it is to be
+        aborted (``violation.why_not_healed`` says why)."""
+        assert self.engine is not None and self.healing is not None
+        violation.action = "recompute"
+        if heal is Heal.AGAIN:
             self._record(violation)
             return True
-        why = self.healing.why_not(violation.kinds, done, breaker_open, self.engine.emitted(handle))
-        if why is None:
-            violation.action, violation.recomputes = "recompute", done + 1
-            if self.engine.recompute(handle, violation):
-                self.healing.healed()
-                self._record(violation)
-                return True
-            why = violation.why_not_healed or "the engine cannot requeue this request"
+        done = violation.recomputes
+        violation.recomputes = done + 1
+        if self.engine.recompute(handle, violation):
+            self.healing.healed()
+            self._record(violation)
+            return True
+        why = violation.why_not_healed or "the engine cannot requeue this request"
         violation.action, violation.recomputes, violation.why_not_healed = "abort", done, why
         return False
 

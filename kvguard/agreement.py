@@ -141,6 +141,16 @@ class Agreement:
             kinds = kinds | int(Kind.GUARD_ERROR)
         return kinds, word
 
+    def all_ranks_ok(self, ok: bool) -> bool:
+        """Whether every rank could plan its acting on a step all ranks act on (this rank's
+        ``ok`` OR-ed as a failure flag over the ranks): one failing rank makes every rank fail
+        the batch closed, so no rank heals a request another aborts. Called on flagged steps
+        only, by every rank alike; without peers, ``ok`` itself."""
+        if self.peers is None:
+            return ok
+        failed = self.peers.or_words(torch.tensor([0 if ok else FAILED], dtype=torch.int64))
+        return not int(failed[0]) & FAILED
+
     def breaker_open(self, word: int) -> bool:
         """The step's recompute breaker: agreed over the ranks, else this server's own."""
         return bool(word & BREAKER) if self.peers is not None else self.healing.breaker_open()

@@ -20,8 +20,8 @@ from contextlib import AbstractContextManager
 import structlog
 import torch
 
-from kvguard.actions import Actions, EngineControl
-from kvguard.agreement import BREAKER, FAILED, Agreement, PageEpochs, PeerRanks
+from kvguard.actions import ActionPlan, Actions, EngineControl
+from kvguard.agreement import BREAKER, FAILED, Agreement, PeerRanks
 from kvguard.checker import StepChecker
 from kvguard.config import GuardConfig, Mode, ReadPath
 from kvguard.cost import GuardCost, clock
@@ -249,12 +249,29 @@ class Guard:
         taint, reclaim = self.agreement.pages(verdict, word, self.host_reads_free)
         step = self.step if verdict is None else verdict.view.step
         violations: list[Violation] = []
+        plan: ActionPlan | None = None
         try:
             self.releases.report(step)
             breaker = self.agreement.breaker_open(word)
-            violations = self._act(verdict, handles, kinds, taint, reclaim, breaker)
-        except Exception as exc:  # acting failed: fail the whole batch closed
+            violations, plan = self.plan_actions(verdict, handles, kinds, breaker)
+        except Exception as exc:
             self.internal_error("resolve", exc)
+        # Every rank applies its plan, or every rank fails the batch closed: one rank healing a
+        # request another aborts would split their batches (the next collective hangs). Only
+        # where all ranks act (agreed bits), so the extra OR runs on flagged steps alone.
+        acting_together = bool(word & ~BREAKER) or bool(kinds.any())
+        planned = plan is not None
+        if acting_together:
+            planned = self.agreement.all_ranks_ok(planned)
+        applied = False
+        if planned and plan is not None:
+            try:
+                self.actions.apply(plan)
+                self.quarantine.contain(verdict, kinds, taint, reclaim, step)
+                applied = True
+            except Exception as exc:
+                self.internal_error("resolve", exc)
+        if not applied:  # acting failed here or on a peer rank: fail the whole batch closed
             violations = self.fail_closed(handles)
             try:  # pages it would have quarantined may sit in the prefix cache
                 self.quarantine.contain(verdict, kinds, taint, None, step)
@@ -266,21 +283,18 @@ class Guard:
         self._flush_metrics()
         return violations
 
-    def _act(
+    def plan_actions(
         self,
         verdict: StepVerdict | None,
         handles: list[object],
         kinds: torch.Tensor,
-        taint: PageEpochs | None,
-        reclaim: PageEpochs | None,
         breaker_open: bool = False,
-    ) -> list[Violation]:
-        """Heal or abort the flagged requests, then contain what the step found bad."""
+    ) -> tuple[list[Violation], ActionPlan]:
+        """The step's violations and what to do with each flagged request (heal or abort),
+        decided without touching the engine or the ledger."""
         step = self.step if verdict is None else verdict.view.step
         violations, bad = step_violations(verdict, handles, kinds, step, self.ledger, self.records)
-        self.actions.act(violations, bad, breaker_open)
-        self.quarantine.contain(verdict, kinds, taint, reclaim, step)
-        return violations
+        return violations, self.actions.plan(violations, bad, breaker_open)
 
     def fail_closed(self, handles: list[object]) -> list[Violation]:
         """Abort every request of a step the guard could not judge (GUARD_ERROR)."""

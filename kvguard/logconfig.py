@@ -35,7 +35,12 @@ def configure(fmt: str = "console", level: str = "info") -> None:
         raise ValueError(f"log format {fmt!r}: choose one of {', '.join(FORMATS)}")
     tail: list[Processor]
     if fmt == "json":
-        tail = [structlog.processors.dict_tracebacks, structlog.processors.JSONRenderer()]
+        # Tracebacks as frames without their locals: structlog's default dict_tracebacks
+        # renders every frame's locals, which in a scheduler hook are the batch (prompt token
+        # ids, request ids) and the step's tensors: a stranger's prompt in the log, and ~30 KB
+        # a line.
+        frames = structlog.tracebacks.ExceptionDictTransformer(show_locals=False)
+        tail = [structlog.processors.ExceptionRenderer(frames), structlog.processors.JSONRenderer()]
     else:
         tail = [structlog.dev.ConsoleRenderer(colors=sys.stderr.isatty())]
     structlog.configure(

@@ -52,12 +52,21 @@ def test_every_hook_failure_fails_closed(tmp_path, tp):
                 eng.inject("bit_flip", seed=5)
             out = eng.run(prompts, tag=hook)
             _served_or_refused(out, reference)
+        if tp == 2:  # one rank cannot plan its acting on a flagged step, the other can: both
+            # fail the batch closed (one healing what the other aborts would split them)
+            eng.inject("guard_fault", seed=0, hook="resolve", after=0, count=1, rank=1)
+            eng.inject("bit_flip", seed=5)
+            out = eng.run(prompts, tag="split")
+            _served_or_refused(out, reference)
+            assert any("error" in o for o in out), "the flagged step was not failed closed"
         fresh = eng.run(prompts[:3], tag="fresh")  # every rank still in step, nothing leaked
         assert all("error" not in o for o in fresh), fresh
         assert [o["output_ids"] for o in fresh] == [r["output_ids"] for r in reference[:3]]
         # (freed pages reach the allocator's free list lazily: a free may fail a round later)
         fired = _faults_fired(eng)
         assert [h for h in HOOKS if not fired.get(h)] == [], fired
+        if tp == 2:  # on every rank for each hook, then on rank 1 alone
+            assert fired["resolve"] >= 3, fired
 
 
 def _serve(serve_processes, tmp_path, env=None):

@@ -332,3 +332,19 @@ def test_a_finished_request_flagged_again_is_logged_not_counted(on_violation):
     actions.act([v], ["a"])
     assert actions.history == [v] and v.action == "none"
     assert _value(metrics.requests_aborted) == 0 and _value(metrics.requests_recomputed) == 0
+
+
+def test_a_plan_touches_nothing_until_applied():
+    """Deciding heal-or-abort reaches nothing in the engine (under tensor parallelism the ranks
+    agree that every one of them could plan before any applies); applying does the plan."""
+    control = Control()
+    control.pending.add("b")  # sent back by an earlier step
+    actions, _ = _actions(control, on_violation="recompute")
+    plan = actions.plan([_violation("a"), _violation("b"), _violation("c")], ["a", "b", None])
+    assert [how.value if how else None for _, _, how in plan] == ["recompute", "again", None]
+    assert control.count == {} and control.pending == {"b"} and not control.aborted
+    assert actions.num_violations == 0  # nothing recorded yet
+    actions.apply(plan)
+    assert control.pending == {"a", "b"} and control.count == {"a": 1}
+    assert [v.action for v, _, _ in plan][:2] == ["recompute", "recompute"]
+    assert actions.num_violations == 3

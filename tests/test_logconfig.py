@@ -50,3 +50,32 @@ def test_unknown_format_falls_back_to_console():
     out = run_child(KVGUARD_LOG_FORMAT="xml")
     assert out.stdout.strip() == "True"
     assert "hello" in out.stderr and not out.stderr.lstrip().startswith("{")
+
+
+def test_json_tracebacks_carry_frames_not_their_locals():
+    """An internal error's traceback names its frames, never their locals: in a scheduler hook
+    those are the batch (prompt token ids, request ids) and the step's tensors."""
+    child = (
+        "from kvguard.logconfig import configure_from_env; import structlog; "
+        "configure_from_env()\n"
+        "def hook(prompt_ids):\n"
+        "    raise RuntimeError('boom')\n"
+        "try:\n"
+        "    hook([4242, 1717])\n"
+        "except RuntimeError as exc:\n"
+        "    structlog.get_logger('kvguard').error('kvguard_internal_error', exc_info=exc)\n"
+    )
+    base = {k: v for k, v in os.environ.items() if not k.startswith("KVGUARD_LOG")}
+    out = subprocess.run(
+        [sys.executable, "-c", child],
+        capture_output=True,
+        text=True,
+        check=True,
+        env={**base, "KVGUARD_LOG_FORMAT": "json"},
+    )
+    [line] = out.stderr.strip().splitlines()
+    event = json.loads(line)
+    [exc] = event["exception"]
+    assert exc["exc_type"] == "RuntimeError" and exc["exc_value"] == "boom"
+    assert [f["name"] for f in exc["frames"]][-1] == "hook"
+    assert "4242" not in line and all("locals" not in f for f in exc["frames"])

@@ -117,29 +117,36 @@ def test_an_unchecked_step_fails_every_request_closed():
     assert all(v.kinds == Kind.GUARD_ERROR for v in out) and a.aborted and b.aborted
 
 
-def test_a_failure_while_acting_fails_the_batch_closed(monkeypatch):
-    pool = _pool()
-    g = pool.guard
+def _break_acting(monkeypatch, g, where: str) -> None:
+    """Make acting on a flagged step fail: deciding heal or abort (``plan``) or carrying it out
+    (``apply``)."""
 
     def broken(*args, **kwargs):
         raise RuntimeError("injected")
 
-    monkeypatch.setattr(g, "_act", broken)
+    if where == "plan":
+        monkeypatch.setattr(g, "plan_actions", broken)
+    else:
+        monkeypatch.setattr(g.actions, "apply", broken)
+
+
+@pytest.mark.parametrize("where", ["plan", "apply"])
+def test_a_failure_while_acting_fails_the_batch_closed(monkeypatch, where):
+    pool = _pool()
+    g = pool.guard
+    _break_acting(monkeypatch, g, where)
     SCENARIOS["bit_flip_private"](pool)
     assert g.num_internal_errors >= 1
     assert any(v.kinds == Kind.GUARD_ERROR for v in pool.violations)
 
 
-def test_a_failure_while_acting_still_quarantines_the_bad_page(monkeypatch):
+@pytest.mark.parametrize("where", ["plan", "apply"])
+def test_a_failure_while_acting_still_quarantines_the_bad_page(monkeypatch, where):
     """The batch fails closed, and the flipped shared page is quarantined all the same: a request
     arriving before the idle flush must not adopt it from the prefix cache."""
     pool = _pool()
     g = pool.guard
-
-    def broken(*args, **kwargs):
-        raise RuntimeError("injected")
-
-    monkeypatch.setattr(g, "_act", broken)
+    _break_acting(monkeypatch, g, where)
     SCENARIOS["bit_flip_shared"](pool)
     assert any(v.kinds == Kind.GUARD_ERROR for v in pool.violations)
     assert _quarantined(pool) and g.flush_wanted and g.tree_suspect
