@@ -3,7 +3,8 @@
 compressed latent row, ``kv_lora_rank + rope_dim`` wide, per token and layer). Slot ``s`` is
 row ``s`` of every such buffer whatever its kind, so the injectors need no other pool knowledge.
 
-A DSA (GLM-5) pool is an MLA pool plus, per indexer layer, its index keys
+A DSA (GLM-5) pool is an MLA pool plus, per indexer layer, its index keys, laid out as the guard's
+adapter defines them (``patches.adapter.index_key_layout``)
 (``index_k_with_scale_buffer``: ``[pages, page_size * (index_head_dim + 4)]`` bytes, page-major:
 page ``p`` holds the FP8 keys of slots ``p * page_size ...`` token by token, then their fp32
 scales). ``kv_buffers`` are its latents (what ``bit_flip`` and the other latent classes flip);
@@ -15,6 +16,8 @@ from __future__ import annotations
 import random
 
 import torch
+
+from kvguard.patches.adapter import index_key_layers, index_key_layout
 
 
 def kv_buffers(pool) -> list[torch.Tensor]:
@@ -46,18 +49,13 @@ def index_rows(pool) -> list[tuple[torch.Tensor, torch.Tensor]]:
             f"index-key faults need a DSA pool's index keys (index_k_with_scale_buffer): "
             f"{type(pool).__name__} has none; inject them into a DSA model (GLM-5, DeepSeek V3.2)"
         )
-    ps, dim = pool.page_size, pool.index_head_dim
-    scale = dim // pool.quant_block_size * 4
-    if pool.index_kpool != 1 or pool.index_page_size != ps or pool.kpool_use_compress:
-        raise TypeError(
-            f"index keys pooled {pool.index_kpool} pages per row (index page "
-            f"{pool.index_page_size}, compressed {pool.kpool_use_compress}): not modelled"
-        )
+    try:  # the guard's own definition of the layout: the oracle reads the bytes it hashes
+        ps, dim, scale = index_key_layout(pool)
+        layers = index_key_layers(pool)
+    except ValueError as exc:
+        raise TypeError(str(exc)) from exc
     out = []
-    for buf in pool.index_k_with_scale_buffer:
-        if buf.shape[0] == 0:
-            continue
-        assert buf.dtype == torch.uint8 and buf.shape[1] == ps * (dim + scale), buf.shape
+    for buf in layers:
         keys = buf[:, : ps * dim].unflatten(1, (ps, dim))  # views: writes land in the pool
         scales = buf[:, ps * dim : ps * (dim + scale)].unflatten(1, (ps, scale))
         out.append((keys, scales))

@@ -121,25 +121,41 @@ def guarded_kv_buffers(pool) -> tuple[str, list[KvBuffer]]:
     )
 
 
-def index_key_buffers(pool, num_slots: int) -> list[KvBuffer]:
-    """A DSA pool's index keys, two page-major views per indexer layer (SGLang's
+def index_key_layout(pool) -> tuple[int, int, int]:
+    """(page size, key bytes, scale bytes) of a DSA pool's index keys (SGLang's
     ``index_k_with_scale_buffer``, DeepGEMM's layout): page p, the allocator's page p, holds the
     FP8 keys of its slots token-major (``index_head_dim`` bytes each), then their fp32 scales.
-    Layers that reuse the previous layer's top-k (0 rows) store none. Raises ValueError for a
-    layout the guard does not model (pooled or compressed index pages)."""
+    The one definition the guard's hashing and the fuzz oracle's byte access share. Raises
+    ValueError for a layout the guard does not model (pooled or compressed index pages)."""
     ps, dim = pool.page_size, pool.index_head_dim
-    scale_bytes = dim // pool.quant_block_size * 4
     if pool.index_kpool != 1 or pool.index_page_size != ps or pool.kpool_use_compress:
         raise ValueError(
             f"index keys pooled {pool.index_kpool} pages per row (index page "
             f"{pool.index_page_size}, compressed {pool.kpool_use_compress}): not modelled"
         )
-    out: list[KvBuffer] = []
+    return ps, dim, dim // pool.quant_block_size * 4
+
+
+def index_key_layers(pool) -> list[torch.Tensor]:
+    """The index-key buffers of the indexer layers that store keys (a layer reusing the
+    previous one's top-k has 0 rows), each checked against :func:`index_key_layout`."""
+    ps, dim, scale_bytes = index_key_layout(pool)
+    out = []
     for buf in pool.index_k_with_scale_buffer:
         if buf.shape[0] == 0:
             continue
         if buf.dtype != torch.uint8 or buf.shape[1] != ps * (dim + scale_bytes):
             raise ValueError(f"an index-key buffer {tuple(buf.shape)} {buf.dtype}")
+        out.append(buf)
+    return out
+
+
+def index_key_buffers(pool, num_slots: int) -> list[KvBuffer]:
+    """A DSA pool's index keys, two page-major views per indexer layer
+    (:func:`index_key_layout`). Raises ValueError for a layout the guard does not model."""
+    ps, dim, scale_bytes = index_key_layout(pool)
+    out: list[KvBuffer] = []
+    for buf in index_key_layers(pool):
         if buf.shape[0] * ps < num_slots:
             raise ValueError(f"{buf.shape[0]} index pages do not cover {num_slots} slots")
         out += index_key_views(buf, ps, dim, scale_bytes)
