@@ -37,8 +37,7 @@ from pathlib import Path
 import aiohttp
 
 from kvguard.bench.guard import MODES, pct, stream_tokens, workload
-from kvguard.serve.child import ServeProcess, free_port
-from kvguard.serve.pd import RouterProcess, pd_server_args
+from kvguard.serve.pd import PrefillDecodePair
 
 COUNTERS = (
     "kvguard_check_seconds_total",
@@ -48,30 +47,15 @@ COUNTERS = (
 )
 
 
-class Pair:
-    """Prefill, decode and router; ``mode_file``: both servers follow its mode between rounds."""
+class Pair(PrefillDecodePair):
+    """Prefill, decode and router (``kvguard.serve.pd``), started; ``mode_file``: both servers
+    follow its mode between rounds (None: a pair started with ``mode`` and no switch)."""
 
     def __init__(self, mode: str, args: list[str], work: Path, mode_file: Path | None):
         env = {"KVGUARD_MODE_FILE": str(mode_file)} if mode_file is not None else {}
-        port = free_port()
-        tag = "nohooks" if mode_file is None else "guarded"
-        self.prefill = ServeProcess(
-            pd_server_args("prefill", port, mode) + args, work / f"prefill-{tag}.log", env
-        )
-        self.decode = ServeProcess(
-            pd_server_args("decode", None, mode) + args, work / f"decode-{tag}.log", env
-        )
-        self.servers = (self.prefill, self.decode)
-        self.prefill.start(timeout_s=600)
-        try:
-            self.decode.start(timeout_s=600)
-            self.router = RouterProcess(
-                self.prefill.url, port, self.decode.url, work / f"router-{tag}.log"
-            )
-            self.router.start()
-        except BaseException:
-            self.stop()
-            raise
+        tag = "-nohooks" if mode_file is None else "-guarded"
+        super().__init__(work, mode, args, env=env, tag=tag)
+        self.start()
 
     def counters(self) -> dict[str, tuple[float, ...]]:
         out = {}
@@ -90,13 +74,6 @@ class Pair:
                 return now
             last = now
         return last
-
-    def stop(self) -> None:
-        router = getattr(self, "router", None)
-        if router is not None:
-            router.stop()
-        for srv in self.servers:
-            srv.stop()
 
 
 async def _stream(session, url, prompt, max_new_tokens):

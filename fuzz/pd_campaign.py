@@ -50,7 +50,6 @@ import random
 import sys
 import time
 from collections import Counter
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -60,8 +59,8 @@ from kvguard.fuzz.client import REQUEST_TIMEOUT_S, Response, one_request, reques
 from kvguard.fuzz.oracle import TIE_MARGIN, compare, compare_stream, read_jsonl
 from kvguard.fuzz.pd_faults import PD_CLASSES
 from kvguard.fuzz.workload import RequestSpec, Wave, build_workload
-from kvguard.serve.child import ServeProcess, ServerDied, free_port
-from kvguard.serve.pd import pd_server_args
+from kvguard.serve.child import ServerDied
+from kvguard.serve.pd import PrefillDecodePair
 
 # arm -> (kvguard mode of both servers, more arguments of both)
 ARMS = {
@@ -71,7 +70,6 @@ ARMS = {
 }
 SERVER_ARGS = ["--page-size", "16", "--max-total-tokens", "4096", "--log-format", "json"]
 ROOMS = {"c": 1_000_000_000, "i": 2_000_000_000}  # a pass's bootstrap rooms: base + request index
-START_TIMEOUT_S = 600
 LOGPROB_TOL = 1e-3  # nats: a served answer that moved more read something else
 
 
@@ -89,38 +87,27 @@ class Settings:
     server_args: tuple[str, ...] = ()
 
 
-class Pair:
-    """A prefill and a decode kvguard-serve of one arm; the decode server carries the fuzz
-    plugin (``control``: its plan file, ``log``: what it injected)."""
+class Pair(PrefillDecodePair):
+    """A prefill and a decode kvguard-serve of one arm (``kvguard.serve.pd``), routed by hand;
+    the decode server carries the fuzz plugin (``control``: its plan file, ``log``: what it
+    injected)."""
 
     def __init__(self, s: Settings, arm: str, work: Path):
         mode, extra = ARMS[arm]
-        args = SERVER_ARGS + extra + list(s.server_args)
         self.control, self.log = work / "control.json", work / "injections.jsonl"
         self.control.write_text(json.dumps({"plan": []}))
         self.log.unlink(missing_ok=True)
-        self.bootstrap_port = free_port()
-        env = {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
-        self.prefill = ServeProcess(
-            pd_server_args("prefill", self.bootstrap_port, mode) + args, work / "prefill.log", env
+        super().__init__(
+            work,
+            mode,
+            SERVER_ARGS + extra + list(s.server_args),
+            env={"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")},
+            decode_env={
+                "KVGUARD_FUZZ_CONTROL": str(self.control),
+                "KVGUARD_FUZZ_LOG": str(self.log),
+            },
+            router=False,
         )
-        fuzz = {"KVGUARD_FUZZ_CONTROL": str(self.control), "KVGUARD_FUZZ_LOG": str(self.log)}
-        self.decode = ServeProcess(
-            pd_server_args("decode", None, mode) + args, work / "decode.log", {**env, **fuzz}
-        )
-        self.servers = (self.prefill, self.decode)
-
-    def start(self) -> None:
-        with ThreadPoolExecutor(2) as pool:  # the two load side by side
-            for started in [pool.submit(srv.start, START_TIMEOUT_S) for srv in self.servers]:
-                started.result()
-
-    def stop(self) -> None:
-        for srv in self.servers:
-            srv.stop(drain=False)  # the arm is over: nothing in flight to drain
-
-    def alive(self) -> bool:
-        return all(srv.running() and srv.healthy() for srv in self.servers)
 
     def bootstrap(self, prefix: str, index: int) -> dict:
         return {

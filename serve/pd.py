@@ -1,7 +1,8 @@
 """A prefill/decode pair on one machine: SGLang's router (``sglang-router``, ``--pd-disaggregation``)
 in front of a ``kvguard-serve --disaggregation-mode prefill`` and a ``--disaggregation-mode
 decode`` server (docs/pd.md). The servers are :class:`kvguard.serve.child.ServeProcess`; this
-module adds their PD arguments and the router process.
+module adds their PD arguments, the router process and :class:`PrefillDecodePair`, the one
+pair starter the tests, the PD fault campaign and the PD benchmark share.
 
 :func:`pd_server_args` starts each server guarded, in kvguard-serve's default mode unless given
 another (docs/pd.md: what the guard checks on each side of a pair).
@@ -13,14 +14,16 @@ import signal
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from types import TracebackType
 
 import requests
 
-from kvguard.serve.child import ServerDied, clean_env, free_port, stop_process_tree
+from kvguard.serve.child import ServeProcess, ServerDied, clean_env, free_port, stop_process_tree
 
 ROUTER_START_TIMEOUT_S = 180
+PAIR_START_TIMEOUT_S = 600  # two servers load side by side: far more than one on a busy machine
 
 
 def pd_server_args(
@@ -105,3 +108,66 @@ class RouterProcess:
         tb: TracebackType | None,
     ) -> None:
         self.stop()
+
+
+class PrefillDecodePair:
+    """A prefill and a decode ``kvguard-serve`` on loopback, in guard mode ``mode`` (None:
+    kvguard-serve's default) with ``args`` on both, logs in ``work``; ``env`` is added to both
+    servers' environment, ``prefill_env`` / ``decode_env`` to one; with ``router``, SGLang's
+    router in front once both are up. ``tag`` goes into the log names."""
+
+    def __init__(
+        self,
+        work: Path,
+        mode: str | None,
+        args: list[str],
+        *,
+        env: dict[str, str] | None = None,
+        prefill_env: dict[str, str] | None = None,
+        decode_env: dict[str, str] | None = None,
+        router: bool = True,
+        tag: str = "",
+    ):
+        self.bootstrap_port = free_port()
+        self.prefill = ServeProcess(
+            pd_server_args("prefill", self.bootstrap_port, mode) + args,
+            work / f"prefill{tag}.log",
+            {**(env or {}), **(prefill_env or {})},
+        )
+        self.decode = ServeProcess(
+            pd_server_args("decode", None, mode) + args,
+            work / f"decode{tag}.log",
+            {**(env or {}), **(decode_env or {})},
+        )
+        self.servers: tuple[ServeProcess, ...] = (self.prefill, self.decode)
+        self.router = (
+            RouterProcess(
+                self.prefill.url, self.bootstrap_port, self.decode.url, work / f"router{tag}.log"
+            )
+            if router
+            else None
+        )
+
+    def start(self, timeout_s: float = PAIR_START_TIMEOUT_S) -> None:
+        """Start the servers side by side, then the router; on any failure stop what started
+        and raise :class:`ServerDied`."""
+        try:
+            with ThreadPoolExecutor(len(self.servers)) as pool:
+                for started in [pool.submit(s.start, timeout_s) for s in self.servers]:
+                    started.result()
+            if self.router is not None:
+                self.router.start()
+        except BaseException:
+            self.stop()
+            raise
+
+    def stop(self, drain: bool = False) -> None:
+        """Router, then the servers (``drain``: SGLang's request drain; default: killed at once,
+        the pair's work being done)."""
+        if self.router is not None:
+            self.router.stop()
+        with ThreadPoolExecutor(len(self.servers)) as pool:
+            list(pool.map(lambda s: s.stop(drain=drain), self.servers))
+
+    def alive(self) -> bool:
+        return all(srv.running() and srv.healthy() for srv in self.servers)

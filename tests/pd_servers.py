@@ -9,13 +9,10 @@ from pathlib import Path
 
 import requests
 
-from kvguard.serve.child import ServeProcess, free_port
-from kvguard.serve.pd import RouterProcess, pd_server_args
+from kvguard.serve.child import ServeProcess
+from kvguard.serve.pd import PrefillDecodePair
 
 MAX_NEW_TOKENS = 24
-START_TIMEOUT_S = (
-    600  # three servers load side by side: ~90 s on 2 idle cores, far more on busy ones
-)
 SERVER_ARGS = ["--max-total-tokens", "2048"]
 _LONG = (
     "The guard keeps a ledger of every page of the key-value cache: which request owns it, at "
@@ -34,11 +31,11 @@ PROMPTS = [
 ]
 
 
-class PDPair:
-    """Prefill, decode and router in guard mode ``kvguard_mode`` (None: kvguard-serve's default),
-    plus a single server with the same arguments, guard off (the reference). ``prefill_env``,
-    ``decode_env``: added to that server's environment; ``pair_args``: more arguments of both
-    servers of the pair."""
+class PDPair(PrefillDecodePair):
+    """Prefill, decode and router (``kvguard.serve.pd``) in guard mode ``kvguard_mode`` (None:
+    kvguard-serve's default), plus a single server with the same arguments, guard off (the
+    reference), started beside them. ``prefill_env``, ``decode_env``: added to that server's
+    environment; ``pair_args``: more arguments of both servers of the pair."""
 
     def __init__(
         self,
@@ -48,35 +45,15 @@ class PDPair:
         pair_args: list[str] | None = None,
         prefill_env: dict[str, str] | None = None,
     ):
-        self.bootstrap_port = free_port()
-        self.prefill = ServeProcess(
-            pd_server_args("prefill", self.bootstrap_port, kvguard_mode)
-            + SERVER_ARGS
-            + (pair_args or []),
-            root / "prefill.log",
-            prefill_env,
-        )
-        self.decode = ServeProcess(
-            pd_server_args("decode", None, kvguard_mode) + SERVER_ARGS + (pair_args or []),
-            root / "decode.log",
-            decode_env,
+        super().__init__(
+            root,
+            kvguard_mode,
+            SERVER_ARGS + (pair_args or []),
+            prefill_env=prefill_env,
+            decode_env=decode_env,
         )
         self.single = ServeProcess(["--kvguard-mode", "off", *SERVER_ARGS], root / "single.log")
-        self.router = RouterProcess(
-            self.prefill.url, self.bootstrap_port, self.decode.url, root / "router.log"
-        )
-        self.servers = (self.prefill, self.decode, self.single)
-
-    def start(self) -> None:
-        with ThreadPoolExecutor(len(self.servers)) as pool:  # the three load side by side
-            for started in [pool.submit(s.start, START_TIMEOUT_S) for s in self.servers]:
-                started.result()
-        self.router.start()
-
-    def stop(self) -> None:
-        self.router.stop()
-        with ThreadPoolExecutor(len(self.servers)) as pool:
-            list(pool.map(lambda s: s.stop(drain=False), self.servers))
+        self.servers = (*self.servers, self.single)  # the three load side by side
 
 
 def violations(pair: PDPair) -> tuple[float, float]:
