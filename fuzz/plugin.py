@@ -41,8 +41,10 @@ FUZZ_TARGETS = [
 ]
 
 # Every other SGLang name the fuzz tool reads or calls (a version bump that renames one breaks an
-# injector silently: its entries end as injector_error). Rows as patches/targets.py SGLANG_NAMES:
-# (dotted name, kind, fuzz module that uses it, why); tests/test_fuzz_names.py resolves them.
+# injector silently: its entries end as injector_error). This table extends the guard's own
+# (patches/targets.py SGLANG_NAMES, resolved by tests/test_targets.py): a name listed there is
+# not repeated here. Rows as there: (dotted name, kind, fuzz module(s) that use it, why);
+# tests/test_fuzz_names.py resolves them.
 _SCHED = "sglang.srt.managers.scheduler.Scheduler"
 _BATCH = "sglang.srt.managers.schedule_batch.ScheduleBatch"
 _REQ = "sglang.srt.managers.schedule_batch.Req"
@@ -50,91 +52,36 @@ _REQ_KV = "sglang.srt.managers.schedule_batch.ReqKvInfo"
 _ALLOC = "sglang.srt.mem_cache.allocator.base.BaseTokenToKVPoolAllocator"
 _RADIX = "sglang.srt.mem_cache.unified_radix_cache.UnifiedRadixCache"
 _KEY = "sglang.srt.mem_cache.radix_cache.RadixKey"
-_POOLS = "sglang.srt.mem_cache.memory_pool"
 _ATTN = "sglang.srt.layers.attention.torch_native_backend.TorchNativeAttnBackend"
 # fmt: off
 FUZZ_NAMES = [
-    (f"{_SCHED}.tp_worker", "attribute", "injectors", "reaches the model runner's KV pool"),
-    ("sglang.srt.managers.tp_worker.TpModelWorker.model_runner", "attribute", "injectors", "same"),
-    ("sglang.srt.model_executor.model_runner.ModelRunner.token_to_kv_pool", "attribute", "injectors", "the KV pool"),
     (f"{_SCHED}.tp_group", "attribute", "plugin", "a plan entry's tensor-parallel rank"),
     ("sglang.srt.distributed.parallel_state.GroupCoordinator.rank_in_group", "attribute", "plugin", "same"),
-    (f"{_POOLS}.ReqToTokenPool.req_to_token", "attribute", "accounting", "slot per row and position"),
-    ("sglang.srt.model_executor.forward_batch_info.ForwardMode.is_decode", "callable", "accounting", "decode batch"),
-    ("sglang.srt.model_executor.forward_batch_info.ForwardMode.is_extend", "callable", "accounting", "extend batch"),
-    ("sglang.srt.mem_cache.base_prefix_cache.MatchResult.device_prefix_len", "value", "cross_tenant", "a hit's length"),
-    ("sglang.srt.mem_cache.base_prefix_cache.MatchResult.last_device_node", "value", "cross_tenant", "a hit's last node"),
-    (f"{_SCHED}.token_to_kv_pool_allocator", "attribute", "injectors", "frees, allocations, free list"),
-    (f"{_SCHED}.req_to_token_pool", "attribute", "injectors", "the page table"),
-    (f"{_SCHED}.tree_cache", "attribute", "cross_tenant", "the prefix cache"),
-    (f"{_SCHED}.running_batch", "attribute", "accounting", "live requests"),
-    (f"{_SCHED}.waiting_queue", "attribute", "accounting", "live requests"),
-    (f"{_SCHED}.chunked_req", "attribute", "accounting", "a chunked prefill between its chunks"),
-    (f"{_BATCH}.reqs", "attribute", "accounting", "the batch's requests"),
     (f"{_BATCH}.forward_mode", "attribute", "accounting", "decode or extend"),
     (f"{_BATCH}.out_cache_loc", "attribute", "accounting", "the slots this forward writes"),
     (f"{_BATCH}.seq_lens", "attribute", "accounting", "decode positions"),
     (f"{_BATCH}.prefix_lens", "attribute", "accounting", "extend: first position written"),
     (f"{_BATCH}.extend_lens", "attribute", "accounting", "extend: tokens written per request"),
-    (f"{_REQ}.rid", "attribute", "accounting", "request ids in the log"),
-    (f"{_REQ}.origin_input_ids", "attribute", "accounting", "the tokens two KV rows are compared by"),
-    (f"{_REQ}.output_ids", "attribute", "accounting", "same"),
-    (f"{_REQ}.extra_key", "attribute", "accounting", "prefix-cache namespace"),
-    (f"{_REQ}.cache_salt", "attribute", "accounting", "prefix-cache namespace"),
     (f"{_REQ}.prefix_len", "attribute", "injectors", "a prefix-cache hit's length"),
-    (f"{_REQ}.finished", "callable", "accounting", "finished requests hold nothing"),
-    (f"{_REQ}.kv", "attribute", "accounting", "the request's KV bookkeeping"),
-    (f"{_REQ_KV}.holds_kv", "value", "accounting", "whether it holds a page-table row"),
-    (f"{_REQ_KV}.req_pool_idx", "attribute", "accounting", "its page-table row"),
     (f"{_REQ_KV}.kv_allocated_len", "attribute", "accounting", "positions its row maps"),
-    (f"{_REQ_KV}.kv_committed_len", "attribute", "accounting", "positions written (read)"),
-    (f"{_REQ_KV}.cache_protected_len", "attribute", "injectors", "prefix the tree owns"),
-    (f"{_ALLOC}.page_size", "attribute", "accounting", "slots per page"),
-    (f"{_ALLOC}.free_pages", "attribute", "injectors", "double_allocation pushes a page twice"),
     (f"{_ALLOC}.get_all_free_pages", "callable", "accounting", "pages on the free list"),
     (f"{_ALLOC}.free", "callable", "injectors", "premature free"),
     (f"{_ALLOC}.alloc", "callable", "injectors", "never_written: a page nobody writes"),
     (f"{_RADIX}.match_prefix", "callable", "cross_tenant", "the lookup the injected bug wraps"),
-    (f"{_RADIX}._match_tree", "callable", "cross_tenant", "the bare tree walk, to probe namespaces"),
-    (f"{_RADIX}.path_device_indices", "callable", "cross_tenant", "slots of a matched path"),
-    (f"{_RADIX}.all_values_flatten", "callable", "injectors", "slots the tree holds"),
     (f"{_RADIX}.page_size", "attribute", "cross_tenant", "a hit is a page at least"),
-    ("sglang.srt.mem_cache.base_prefix_cache.MatchPrefixParams", "callable", "cross_tenant", "a lookup's parameters (a dataclass: key, req)"),
-    (f"{_KEY}.token_ids", "attribute", "cross_tenant", "a lookup key's tokens"),
-    (f"{_KEY}.extra_key", "attribute", "cross_tenant", "a lookup key's namespace"),
-    (f"{_KEY}.cache_salt", "attribute", "cross_tenant", "same"),
     (f"{_KEY}.is_bigram", "attribute", "cross_tenant", "kept as it was"),
     (f"{_KEY}.limit", "attribute", "cross_tenant", "kept as it was"),
-    (f"{_POOLS}.MHATokenToKVPool.k_buffer", "attribute", "kvbytes", "K per layer"),
-    (f"{_POOLS}.MHATokenToKVPool.v_buffer", "attribute", "kvbytes", "V per layer"),
-    (f"{_POOLS}.MLATokenToKVPool.kv_buffer", "attribute", "kvbytes", "one latent row per token and layer"),
-    (f"{_POOLS}.DSATokenToKVPool.kv_buffer", "attribute", "kvbytes", "DSA: the latent rows"),
-    (f"{_POOLS}.DSATokenToKVPool.index_k_with_scale_buffer", "attribute", "kvbytes", "DSA: index keys then scales, page-major, per indexer layer"),
-    (f"{_POOLS}.DSATokenToKVPool.page_size", "attribute", "kvbytes", "slots per index page"),
-    (f"{_POOLS}.DSATokenToKVPool.index_head_dim", "attribute", "kvbytes", "bytes of an FP8 index key"),
-    (f"{_POOLS}.DSATokenToKVPool.quant_block_size", "attribute", "kvbytes", "key values per fp32 scale"),
-    (f"{_POOLS}.DSATokenToKVPool.index_kpool", "attribute", "kvbytes", "one allocator page per index page, else refused"),
-    (f"{_POOLS}.DSATokenToKVPool.index_page_size", "attribute", "kvbytes", "the same"),
-    (f"{_POOLS}.DSATokenToKVPool.kpool_use_compress", "attribute", "kvbytes", "compressed index tails refused"),
     ("sglang.srt.model_executor.model_runner.ModelRunner.attn_backend", "attribute", "injectors", "in_forward_flip wraps its class's methods"),
     (f"{_ATTN}.forward_decode", "callable", "injectors", "in_forward_flip: flips before a decode layer reads"),
     (f"{_ATTN}.forward_extend", "callable", "injectors", "same, for an extend forward"),
-    ("sglang.srt.layers.radix_attention.RadixAttention.layer_id", "attribute", "injectors", "which layer is about to read"),
     (f"{_BATCH}.seq_lens_cpu", "attribute", "plugin", "KV tokens a step reads (read_sets)"),
-    ("sglang.srt.disaggregation.utils._is_fake_transfer", "callable", "pd_faults", "a health check's transfer moves no KV: never faulted"),
     ("sglang.srt.disaggregation.decode.DecodePreallocQueue.scheduler", "attribute", "pd_faults", "transfer_into_reused: the running batch"),
     ("sglang.srt.disaggregation.decode.DecodePreallocQueue.req_to_token_pool", "attribute", "pd_faults", "the holder's page table row"),
     ("sglang.srt.disaggregation.decode.DecodePreallocQueue.token_to_kv_pool_allocator", "attribute", "pd_faults", "page size, the pool"),
     (f"{_ALLOC}.get_kvcache", "callable", "pd_faults", "the pool whose pages a fault leaves unwritten are zeroed"),
-    ("sglang.srt.managers.scheduler.Scheduler.running_batch", "attribute", "pd_faults", "requests holding and reading pages"),
     ("sglang.srt.disaggregation.decode.DecodePreallocQueue.transfer_queue", "attribute", "pd_faults", "transfer_wrong_room: transfers in flight"),
     ("sglang.srt.disaggregation.decode.DecodeTransferQueue.queue", "attribute", "pd_faults", "their decode requests"),
-    ("sglang.srt.managers.schedule_batch.Req.origin_input_ids", "attribute", "pd_faults", "pages a transfer fills"),
     ("sglang.srt.managers.schedule_batch.Req.sampling_params", "attribute", "pd_faults", "max_new_tokens: tokens still to decode"),
-    ("sglang.srt.managers.schedule_batch.Req.kv", "attribute", "pd_faults", "the holder's KV bookkeeping"),
-    (f"{_REQ_KV}.req_pool_idx", "attribute", "pd_faults", "the holder's row"),
-    (f"{_REQ_KV}.kv_committed_len", "attribute", "pd_faults", "the holder has written a page"),
-    (f"{_REQ_KV}.cache_protected_len", "attribute", "pd_faults", "a holder's cached prefix pages are not its own"),
 ]
 # fmt: on
 

@@ -526,7 +526,8 @@ DSA_TARGETS = [
 # or call, private methods they call, attributes they read or write. A version bump that renames
 # one of these breaks a patch silently, or only at the first violation long after start, so
 # tests/test_targets.py resolves each row against the installed SGLang.
-# Each row: (dotted name, kind, patch module that uses it, why). Kinds:
+# Each row: (dotted name, kind, patch module(s) that use it, why); each name once (fuzz/plugin.py
+# FUZZ_NAMES extends this table with the fault injector's own). Kinds:
 #   "callable"      resolves and is callable (class, function, method, property getter excluded)
 #   "value"         resolves (module constant, class attribute, property)
 #   "attribute"     an instance attribute: a class-level name, an annotated field, or assigned as
@@ -558,7 +559,7 @@ SGLANG_NAMES = [
         "SGLang's KV bytes per token, to take the guard's share from the budget",
     ),
     (f"{_SCHED}._pending_chunked_abort_req", "attribute", "control", "deferred abort of a chunked prefill"),
-    (f"{_SCHED}.chunked_req", "attribute", "control", "the request mid chunked prefill"),
+    (f"{_SCHED}.chunked_req", "attribute", "control, recompute", "the request mid chunked prefill; recompute: a chunked prefill sent back is released before its next chunk"),
     (f"{_SCHED}.token_to_kv_pool_allocator", "attribute", "control", "the KV allocator"),
     (f"{_SCHED}.req_to_token_pool", "attribute", "adapter", "the page table"),
     (f"{_SCHED}.tree_cache", "attribute", "control", "the prefix cache, for the free-list rebuild"),
@@ -576,8 +577,8 @@ SGLANG_NAMES = [
     (f"{_REQ}.finished", "callable", "control", "already finished: nothing to abort"),
     (f"{_REQ}.is_retracted", "attribute", "control", "a request sent back: the result loop commits and streams nothing of it"),
     (f"{_REQ}.reset_for_retract", "callable", "recompute", "reset a request sent back, as SGLang's retraction does"),
-    (f"{_REQ}.output_ids", "attribute", "recompute", "the tokens it produced: kept, re-prefilled (control: how many left)"),
-    (f"{_REQ}.origin_input_ids", "attribute", "recompute", "its prompt"),
+    (f"{_REQ}.output_ids", "attribute", "recompute, pd_guard", "the tokens it produced: kept, re-prefilled (control: how many left); pd_guard: tokens produced before a transfer (a resumed request)"),
+    (f"{_REQ}.origin_input_ids", "attribute", "recompute, pd_guard", "its prompt; pd_guard: the prompt whose KV is transferred"),
     (f"{_REQ}.beam_group", "attribute", "control", "beam groups cannot be retracted: aborted"),
     (f"{_REQ}.input_embeds", "attribute", "control", "restarted from scratch when retracted: aborted"),
     (f"{_REQ}.multimodal_inputs", "attribute", "control", "not recomputed: aborted"),
@@ -588,10 +589,9 @@ SGLANG_NAMES = [
     (f"{_SCHED}.result_queue", "attribute", "recompute", "batches launched, results not processed (overlap)"),
     (f"{_SCHED}.running_batch", "attribute", "recompute", "a request sent back leaves it"),
     (f"{_SCHED}.last_batch", "attribute", "recompute", "and the prefill batch about to merge into it"),
-    (f"{_SCHED}.chunked_req", "attribute", "recompute", "a chunked prefill sent back is released before its next chunk"),
     ("sglang.srt.managers.schedule_batch.ScheduleBatch.filter_batch", "callable", "recompute", "drop requests sent back from a batch"),
     ("sglang.srt.mem_cache.common.release_kv_cache", "callable", "recompute", "release a request sent back without checkpointing it"),
-    (f"{_REQ}.finished_reason", "attribute", "control", "set to FINISH_ABORT"),
+    (f"{_REQ}.finished_reason", "attribute", "control, pd_guard", "set to FINISH_ABORT; pd_guard: a request SGLang aborted at commit"),
     (f"{_REQ}.discard_output_reason", "attribute", "control", "abort reason of a chunked prefill"),
     (f"{_REQ}.skip_radix_cache_insert", "attribute", "control", "suspect KV never enters the prefix cache"),
     (f"{_REQ}.rid", "attribute", "adapter", "request id in verdicts and logs"),
@@ -637,9 +637,9 @@ SGLANG_NAMES = [
     ("sglang.srt.model_executor.forward_batch_info.ForwardMode.is_decode", "callable", "adapter", "decode step"),
     ("sglang.srt.model_executor.forward_batch_info.ForwardMode.is_extend", "callable", "adapter", "prefill step"),
     (f"{_FB}.forward_mode", "attribute", "adapter", "decode or extend"),
-    (f"{_FB}.req_pool_indices", "attribute", "adapter", "each request's page-table row"),
+    (f"{_FB}.req_pool_indices", "attribute", "adapter, dsa_cpu", "each request's page-table row"),
     (f"{_FB}.seq_lens", "attribute", "adapter", "decode: prefix length + 1"),
-    (f"{_FB}.seq_lens_cpu", "attribute", "adapter", "longest prefix without a device read"),
+    (f"{_FB}.seq_lens_cpu", "attribute", "adapter, dsa_cpu", "longest prefix without a device read; dsa_cpu: keys per request"),
     (f"{_FB}.extend_prefix_lens", "attribute", "adapter", "prefill: cached prefix lengths"),
     (f"{_FB}.extend_prefix_lens_cpu", "attribute", "adapter", "the same on the host"),
     (f"{_FB}.extend_seq_lens", "attribute", "adapter", "prefill: new tokens per request"),
@@ -656,7 +656,7 @@ SGLANG_NAMES = [
     (f"{_POOLS}.MHATokenToKVPool.is_quantized_kv_cache", "attribute", "kv_write", "a store through the quant method"),
     (f"{_POOLS}.MHATokenToKVPool.quant_method", "attribute", "kv_write", "which one (CPU FP8 modelled)"),
     (f"{_POOLS}.MHATokenToKVPool._quantized_scales", "callable", "kv_write", "the write scales SGLang's quantized store uses"),
-    (f"{_POOLS}.MLATokenToKVPool.dtype", "attribute", "kv_write", "the dtype SGLang casts a latent store to"),
+    (f"{_POOLS}.MLATokenToKVPool.dtype", "attribute", "kv_write, cpu_fp8_kv", "the dtype SGLang casts a latent store to; cpu_fp8_kv: FP8 requested for the latent rows"),
     (f"{_POOLS}.MLATokenToKVPool.store_dtype", "attribute", "kv_write", "the dtype it views stored rows as"),
     (f"{_POOLS}.KVWriteLoc.loc", "attribute", "kv_write", "the slots of a wrapped write location"),
     (f"{_POOLS}.MLATokenToKVPool.kv_buffer", "attribute", "adapter", "latent row per layer, guarded bytes"),
@@ -665,8 +665,8 @@ SGLANG_NAMES = [
     (f"{_POOLS}.DSATokenToKVPool.page_size", "attribute", "adapter", "slots per index page"),
     (f"{_POOLS}.DSATokenToKVPool.index_head_dim", "attribute", "adapter", "bytes of an FP8 index key"),
     (f"{_POOLS}.DSATokenToKVPool.quant_block_size", "attribute", "adapter", "key values per fp32 scale"),
-    (f"{_POOLS}.DSATokenToKVPool.index_kpool", "attribute", "adapter", "one allocator page per index page, else refused"),
-    (f"{_POOLS}.DSATokenToKVPool.index_page_size", "attribute", "adapter", "the same"),
+    (f"{_POOLS}.DSATokenToKVPool.index_kpool", "attribute", "adapter, dsa_cpu", "one allocator page per index page, else refused; dsa_cpu: tokens per index key: 1 only"),
+    (f"{_POOLS}.DSATokenToKVPool.index_page_size", "attribute", "adapter, dsa_cpu", "keys per index page: 64 only"),
     (f"{_POOLS}.DSATokenToKVPool.kpool_use_compress", "attribute", "adapter", "compressed index tails refused"),
     # -- SGLang's self-checks (invariant_hooks.py) ----------------------------------------------
     ("sglang.srt.managers.scheduler_components.pool_stats_observer.PoolStats.full_num_used", "attribute", "invariant_hooks", "clamped at 0 after contained violations"),
@@ -709,7 +709,7 @@ SGLANG_NAMES = [
     # -- added with guard v2 in SGLang (lifecycle, adapter, cache_hooks, tenancy) ---------------
     ("sglang.srt.speculative.spec_info.SpeculativeAlgorithm.is_none", "callable", "cpu_fp8_kv", "no speculative algorithm"),
     ("sglang.srt.model_executor.forward_batch_info.ForwardMode.is_idle", "callable", "adapter", "idle batches carry no KV"),
-    (f"{_FB}.extend_seq_lens_cpu", "attribute", "adapter", "new tokens per request, on the host"),
+    (f"{_FB}.extend_seq_lens_cpu", "attribute", "adapter, dsa_cpu", "new tokens per request, on the host; dsa_cpu: query tokens per request"),
     ("sglang.srt.mem_cache.radix_cache.RadixKey.token_ids", "attribute", "cache_hooks", "the tokens a hit must hold"),
     ("sglang.srt.mem_cache.radix_cache.RadixKey.extra_key", "attribute", "cache_hooks", "the hit's prefix-cache namespace"),
     ("sglang.srt.mem_cache.radix_cache.RadixKey.cache_salt", "attribute", "cache_hooks", "the same, per-request salt"),
@@ -718,7 +718,6 @@ SGLANG_NAMES = [
     ("sglang.srt.models.deepseek_common.attention_backend_handler._dispatch_mla_subtype", "callable", "mla_cpu", "the absorbed-MLA method SGLang picks"),
     ("sglang.srt.layers.rotary_embedding.factory.get_rope", "callable", "mla_cpu", "the generic rope factory"),
     (f"{_KVC}.current_platform", "value", "cpu_fp8_kv", "rebound for one call: the pre-AMX MLA refusal"),
-    (f"{_POOLS}.MLATokenToKVPool.dtype", "attribute", "cpu_fp8_kv", "FP8 requested for the latent rows"),
     (f"{_POOLS}.MLATokenToKVPool.start_layer", "attribute", "cpu_fp8_kv", "first layer of this rank"),
     ("sglang.srt.models.deepseek_v2.DeepseekV2AttentionMLA.attn_mqa", "attribute", "cpu_fp8_kv", "the attention reading the latent cache"),
     ("sglang.srt.models.deepseek_v2.DeepseekV2AttentionMLA.kv_lora_rank", "attribute", "cpu_fp8_kv", "marks an MLA attention module"),
@@ -751,8 +750,6 @@ SGLANG_NAMES = [
     ("sglang.srt.layers.attention.dsa.dsa_indexer.Indexer.rotary_emb", "attribute", "dsa_cpu", "the indexer's rope"),
     (f"{_POOLS}.DSATokenToKVPool.get_index_k_with_scale_buffer", "callable", "dsa_cpu", "a layer's index-key bytes"),
     (f"{_POOLS}.DSATokenToKVPool.index_key_cache", "attribute", "dsa_cpu", "marks a DSA pool"),
-    (f"{_POOLS}.DSATokenToKVPool.index_kpool", "attribute", "dsa_cpu", "tokens per index key: 1 only"),
-    (f"{_POOLS}.DSATokenToKVPool.index_page_size", "attribute", "dsa_cpu", "keys per index page: 64 only"),
     (f"{_POOLS}.MLATokenToKVPool.dsa_kv_cache_store_fp8", "attribute", "dsa_cpu", "packed FP8 latent rows"),
     (f"{_POOLS}.MLATokenToKVPool.kv_lora_rank", "attribute", "dsa_cpu", "R: the packed row's layout"),
     (f"{_POOLS}.KVWriteLoc", "callable", "dsa_cpu", "the latent row's write location"),
@@ -761,19 +758,13 @@ SGLANG_NAMES = [
     ("sglang.srt.layers.radix_attention.RadixAttention.qk_head_dim", "attribute", "dsa_cpu", "R + rope"),
     ("sglang.srt.layers.radix_attention.RadixAttention.v_head_dim", "attribute", "dsa_cpu", "R"),
     ("sglang.srt.layers.radix_attention.RadixAttention.scaling", "attribute", "dsa_cpu", "softmax scale"),
-    (f"{_FB}.req_pool_indices", "attribute", "dsa_cpu", "each request's page-table row"),
-    (f"{_FB}.seq_lens_cpu", "attribute", "dsa_cpu", "keys per request"),
-    (f"{_FB}.extend_seq_lens_cpu", "attribute", "dsa_cpu", "query tokens per request"),
     # -- options the guard cannot check (engine_options.py; its table's fields and flags are
     # -- resolved against ServerArgs and SGLang's parser by tests/test_engine_options.py) -------
     ("sglang.srt.managers.scheduler.Scheduler.__init__.server_args", "parameter", "engine_options", "the options a scheduler starts with"),
     # -- the guard on a prefill/decode pair (pd_guard.py, control.py) -----------------------------
     ("sglang.srt.disaggregation.decode.DecodeRequest.req", "attribute", "pd_guard", "the request a transfer is for"),
     ("sglang.srt.disaggregation.utils._is_fake_transfer", "callable", "pd_guard", "a fake transfer moves no KV"),
-    (f"{_REQ}.origin_input_ids", "attribute", "pd_guard", "the prompt whose KV is transferred"),
-    (f"{_REQ}.output_ids", "attribute", "pd_guard", "tokens produced before a transfer (a resumed request)"),
     (f"{_REQ}.bootstrap_room", "attribute", "pd_guard", "the transfer's room (the test switch)"),
-    (f"{_REQ}.finished_reason", "attribute", "pd_guard", "a request SGLang aborted at commit"),
     (f"{_REQ_KV}.kv_committed_len", "attribute", "pd_guard", "positions the transfer fills"),
     (f"{_SCHED}.disaggregation_mode", "attribute", "control", "a PD server cannot re-prefill a request"),
     ("sglang.srt.disaggregation.checksum.KvChecksumComputer._kv_data_ptrs", "attribute", "pd_cpu", "the KV buffers SGLang's checksum digests"),
