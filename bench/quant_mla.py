@@ -57,7 +57,7 @@ from kvguard.bench.quant import (
     sglang_perplexity,
     write_kv_scales,
 )
-from kvguard.engine_status import scheduler_statuses
+from kvguard.patches.guard_status import scheduler_statuses
 
 FAMILIES = ("kimi", "glm")
 PAGE = {"kimi": 16, "glm": 64}  # SGLang's DSA pool asserts 64-token pages

@@ -13,12 +13,12 @@ from __future__ import annotations
 
 import argparse
 
-from kvguard.kernels.guard_state import PageArrays, RowArrays
-
-# bytes per page the CPU backend keeps outside the ledger: two workspaces x (taint + reclaim)
-WORKSPACE_BYTES_PER_PAGE = 4
-# the Triton backend's (CUDA pools): 4 int32 scratch words + 3 flag bytes in each of 3 workspaces
-TRITON_WORKSPACE_BYTES_PER_PAGE = 25
+from kvguard.kernels.guard_state import (
+    TRITON_WORKSPACE_BYTES_PER_PAGE,
+    WORKSPACE_BYTES_PER_PAGE,
+    PageArrays,
+    RowArrays,
+)
 
 GEOMETRIES = {
     # Llama-3.1-8B: 32 layers x 8 KV heads x 128 x (K, V) x 1 byte (FP8) = 64 KiB per token

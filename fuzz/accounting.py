@@ -533,3 +533,18 @@ class Watch:
     @property
     def only_exposed(self) -> list[str]:
         return sorted(self.exposed - set(self.victims))
+
+
+@dataclass
+class Injection:
+    """One fault the plugin injected: its class, the step, the watch that follows its pages and
+    victims, and the callables the plugin runs around the forward."""
+
+    cls: str
+    step: int
+    watch: Watch  # the pages it touched, what they hold, whom it harmed
+    detail: dict = field(default_factory=dict)
+    pending: dict | None = None  # a stale write not landed yet (stale_writer)
+    after_forward: object = None  # callable run once after this step's forward
+    cleanup: object = None  # callable(sched) -> True once the injected mess is tidied (no leak)
+    disarm: object = None  # callable run once after this step's forward, even if it raised

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from kvguard.fuzz.accounting import Watch, Written, namespace
+from kvguard.fuzz.accounting import Injection, Watch, Written, namespace
 
 _bug: dict | None = None  # the armed bug: {"fired": None | {...}}
 _namespaces: set[tuple] = set()  # namespaces the scheduler has seen (requests in its batches)
@@ -66,8 +66,6 @@ cross_tenant.disarm = disarm  # the plugin calls it when it drops the entry
 
 
 def _injection(step, watch, detail):
-    from kvguard.fuzz.injectors import Injection  # (injectors imports this module's class)
-
     return Injection("cross_tenant", step, watch, detail)
 
 

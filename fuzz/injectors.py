@@ -11,7 +11,6 @@ which only exposed. The KV bytes are touched through ``kvbytes`` (MHA and MLA po
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from types import SimpleNamespace
 
 import torch
@@ -21,6 +20,7 @@ from kvguard.fuzz.accounting import (
     OK,
     Content,
     Garbage,
+    Injection,
     Scan,
     Watch,
     Written,
@@ -29,18 +29,6 @@ from kvguard.fuzz.accounting import (
     written_by,
 )
 from kvguard.fuzz.cross_tenant import cross_tenant
-
-
-@dataclass
-class Injection:
-    cls: str
-    step: int
-    watch: Watch  # the pages it touched, what they hold, whom it harmed
-    detail: dict = field(default_factory=dict)
-    pending: dict | None = None  # a stale write not landed yet (stale_writer)
-    after_forward: object = None  # callable run once after this step's forward
-    cleanup: object = None  # callable(sched) -> True once the injected mess is tidied (no leak)
-    disarm: object = None  # callable run once after this step's forward, even if it raised
 
 
 def _pool(sched):

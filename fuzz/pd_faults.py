@@ -150,15 +150,13 @@ def zero_pages(queue, pages: list[int]) -> None:
     kvbytes.zero(queue.token_to_kv_pool_allocator.get_kvcache(), slots)
 
 
-def around_transfer_page_indices(original, queue, decode_req, *args, **kwargs):
-    """AROUND ``DecodePreallocQueue._transfer_page_indices``: the armed fault, if one is, applied
-    to the page indices SGLang is about to send the prefill server."""
+def fault_transfer(st, original, queue, decode_req, *args, **kwargs):
+    """AROUND ``DecodePreallocQueue._transfer_page_indices`` (registered by the plugin, which
+    passes its state ``st``): the armed fault, if one is, applied to the page indices SGLang is
+    about to send the prefill server."""
     from sglang.srt.disaggregation.utils import _is_fake_transfer
 
-    from kvguard.fuzz import plugin
-
     pages = original(queue, decode_req, *args, **kwargs)
-    st = plugin.state()
     if st is None or _is_fake_transfer(decode_req.req):  # a health check moves no KV
         return pages
     try:

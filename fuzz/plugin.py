@@ -24,7 +24,7 @@ import json
 import os
 import random
 
-from kvguard.fuzz import guard_faults
+from kvguard.fuzz import guard_faults, pd_faults
 from kvguard.fuzz.pd_faults import PD_CLASSES
 
 FUZZ_TARGETS = [
@@ -325,12 +325,16 @@ def load() -> None:
         return
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
-    from kvguard.fuzz.pd_faults import around_transfer_page_indices
-
     _state = FuzzState(control, os.environ.get("KVGUARD_FUZZ_LOG"))
     hooks = {"run_batch": around_run_batch, "_transfer_page_indices": around_transfer_page_indices}
     for target, hook_type, _why in FUZZ_TARGETS:
         HookRegistry.register(target, hooks[target.rsplit(".", 1)[1]], HookType[hook_type])
+
+
+def around_transfer_page_indices(original, queue, decode_req, *args, **kwargs):
+    """AROUND ``DecodePreallocQueue._transfer_page_indices``: the PD hand-off faults
+    (``pd_faults``), given this process's plan."""
+    return pd_faults.fault_transfer(_state, original, queue, decode_req, *args, **kwargs)
 
 
 def state() -> FuzzState | None:

@@ -42,6 +42,10 @@ HISTORY = 4  # events kept per page
 NO_ROW = 0xFFFFF  # history's row field when no row is involved
 EPOCH_STEP_SHIFT = 24  # claim epoch = step << 24 | (write index + 1): unique per claim
 MAX_WRITES_PER_STEP = (1 << EPOCH_STEP_SHIFT) - 1
+# bytes per page the CPU backend keeps outside the ledger: two workspaces x (taint + reclaim)
+WORKSPACE_BYTES_PER_PAGE = 4
+# the Triton backend's (CUDA pools): 4 int32 scratch words + 3 flag bytes in each of 3 workspaces
+TRITON_WORKSPACE_BYTES_PER_PAGE = 25
 
 _I64 = torch.int64
 _I32 = torch.int32

@@ -26,9 +26,10 @@ def install(engine: Any, config: GuardConfig | None = None) -> list[dict[str, An
     With ``config``, the schedulers' settings must also match it. Returns one report per
     scheduler (mode, pid, page size, ...).
     """
-    from kvguard.engine_status import install as _install
+    from kvguard.engine_status import check_statuses
+    from kvguard.patches.guard_status import scheduler_statuses
 
-    return _install(engine, config)
+    return check_statuses(scheduler_statuses(engine), config)
 
 
 __all__ = ["install"]

@@ -4,7 +4,8 @@ SGLang starts its schedulers as separate processes while ``sglang.Engine(...)`` 
 kvguard loads into each of them through SGLang's plugin entry point and reads its configuration
 from the environment those processes inherited. Nothing can be installed into them afterwards, so
 ``install`` checks instead: each scheduler reports its guard in the start-up handshake
-(``kvguard.patches.guard_status``) and ``install`` reads those reports in the parent.
+(``kvguard.patches.guard_status``, which also reads the reports back from SGLang's engine) and
+this module judges them.
 """
 
 from __future__ import annotations
@@ -16,27 +17,18 @@ from kvguard.config import GuardConfig
 
 GuardStatus = dict[str, Any]  # one scheduler's report: active, pid, mode, page size, ...
 
-STATUS_KEY = "kvguard"  # the key kvguard.patches.guard_status adds to each scheduler's handshake
-
 
 class GuardNotActiveError(RuntimeError):
     """The engine's scheduler processes do not run the guard as asked."""
 
 
-def scheduler_statuses(engine: Any) -> list[GuardStatus | None]:
-    """One guard report per scheduler process of ``engine`` (None: that scheduler has no guard)."""
-    init = getattr(engine, "_scheduler_init_result", None)  # every rank's handshake (SGLang 0.5.23)
-    infos = getattr(init, "scheduler_infos", None)
-    if infos is None:
-        infos = [engine.get_server_info()]  # public, rank 0 only
-    return [info.get(STATUS_KEY) if isinstance(info, dict) else None for info in infos]
-
-
-def install(engine: Any, config: GuardConfig | None = None) -> list[GuardStatus]:
-    """Check that every scheduler of ``engine`` runs the guard (with ``config``'s settings, if
-    given) and return their reports. Raises :class:`GuardNotActiveError` otherwise: the guard
-    must be configured in the environment *before* the Engine is created."""
-    reported = scheduler_statuses(engine)
+def check_statuses(
+    reported: list[GuardStatus | None], config: GuardConfig | None = None
+) -> list[GuardStatus]:
+    """Check that every scheduler's report (``reported``, one per scheduler, None: no guard
+    there) says the guard runs (with ``config``'s settings, if given) and return the reports.
+    Raises :class:`GuardNotActiveError` otherwise: the guard must be configured in the
+    environment *before* the Engine is created."""
     missing = [rank for rank, s in enumerate(reported) if not s or not s.get("active")]
     if missing:
         env = {

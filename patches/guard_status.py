@@ -10,8 +10,9 @@ guard really runs inside every scheduler: ``kvguard.install`` checks it.
 from __future__ import annotations
 
 import os
+from typing import Any
 
-from kvguard.engine_status import STATUS_KEY
+STATUS_KEY = "kvguard"  # the key added to each scheduler's handshake
 
 
 def guard_status() -> dict:
@@ -34,3 +35,13 @@ def add_to_init_info(result, scheduler, *args, **kwargs):
     if isinstance(result, dict):
         result[STATUS_KEY] = guard_status()
     return result
+
+
+def scheduler_statuses(engine: Any) -> list[dict | None]:
+    """One guard report per scheduler process of an in-process ``engine`` (None: that scheduler
+    has no guard), read back from SGLang's handshake in the parent."""
+    init = getattr(engine, "_scheduler_init_result", None)  # every rank's handshake (SGLang 0.5.23)
+    infos = getattr(init, "scheduler_infos", None)
+    if infos is None:
+        infos = [engine.get_server_info()]  # public, rank 0 only
+    return [info.get(STATUS_KEY) if isinstance(info, dict) else None for info in infos]

@@ -9,9 +9,12 @@ guard's share first, so pool and guard together fit what SGLang measured.
 
 from __future__ import annotations
 
-from kvguard.bench.state_bytes import TRITON_WORKSPACE_BYTES_PER_PAGE, WORKSPACE_BYTES_PER_PAGE
 from kvguard.config import GuardConfig
-from kvguard.kernels.guard_state import PageArrays
+from kvguard.kernels.guard_state import (
+    TRITON_WORKSPACE_BYTES_PER_PAGE,
+    WORKSPACE_BYTES_PER_PAGE,
+    PageArrays,
+)
 
 LEDGER_BYTES_PER_PAGE = PageArrays.empty(1, "meta").nbytes()
 

@@ -12,12 +12,12 @@ import structlog
 
 if TYPE_CHECKING:
     from kvguard.guard import Guard
-    from kvguard.patches.control import SGLangControl
 
 log = structlog.get_logger("kvguard")
 
 guard: Guard | None = None
-control: SGLangControl | None = None  # the guard's engine control (requests sent back)
+# the guard's engine control (patches.control.SGLangControl: requests sent back)
+control: Any = None
 scheduler: Any = None
 local = threading.local()  # .batch: the ScheduleBatch of the forward in flight; .verdict
 # Benchmarks only: a file whose content ("off", "tags", ...) switches the mode between steps.

@@ -568,6 +568,8 @@ SGLANG_NAMES = [
     (f"{_SCHED}.tp_size", "attribute", "state", "tensor-parallel degree"),
     (f"{_SCHED}.is_generation", "attribute", "lifecycle", "embedding models are refused at attach"),
     ("sglang.srt.entrypoints.http_server.app", "value", "health_endpoint", "the middleware at the front door"),
+    ("sglang.srt.entrypoints.engine.Engine._scheduler_init_result", "attribute", "guard_status", "every scheduler's start-up handshake, read back by kvguard.install"),
+    ("sglang.srt.entrypoints.engine.SchedulerInitResult.scheduler_infos", "attribute", "guard_status", "one handshake per scheduler"),
     (f"{_SCHED}.tp_cpu_group", "attribute", "peers", "the verdict agreement (OR of words, sparse page lists)"),
     (f"{_SCHED}.flush_cache", "callable", "lifecycle", "flush the prefix cache once idle"),
     (f"{_SCHED}.is_fully_idle", "callable", "invariant_hooks", "rebuild the free list only when idle"),

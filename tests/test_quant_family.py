@@ -89,7 +89,7 @@ def test_glm_int4_experts_fp8_dsa_kv_guarded_serve(tmp_path, capfd):
 
     from kvguard.bench.quant import greedy, heldout_windows, sglang_perplexity
     from kvguard.config import GuardConfig
-    from kvguard.engine_status import scheduler_statuses
+    from kvguard.patches.guard_status import scheduler_statuses
 
     model = ensure_glm_model()
     cfg = _cfg(model)
