@@ -98,7 +98,7 @@ class NoSGLang(importlib.abc.MetaPathFinder):
 sys.meta_path.insert(0, NoSGLang())
 import platform, torch, triton
 import kvguard.guard, kvguard.kernels.guard_triton, kvguard.kernels.kv_checksum  # noqa: F401
-import kvguard.bench.step, kvguard.bench.checksum, kvguard.bench.synthetic_pool  # noqa: F401
+import kvguard.bench.step, kvguard.bench.checksum  # noqa: F401
 print(f"python {platform.python_version()}  torch {torch.__version__}  triton {triton.__version__}")
 print("kvguard core, kernels and benchmarks import without SGLang: ok")
 if torch.cuda.is_available():

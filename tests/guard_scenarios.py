@@ -17,8 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-
-from kvguard.bench.synthetic_pool import Request, SyntheticPool
+from synthetic_pool import Request, SyntheticPool
 
 Scenario = Callable[[SyntheticPool], set[str]]
 

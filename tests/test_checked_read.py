@@ -6,8 +6,8 @@ neighbour's."""
 from __future__ import annotations
 
 import pytest
+from synthetic_pool import SyntheticPool
 
-from kvguard.bench.synthetic_pool import SyntheticPool
 from kvguard.verdict import Kind
 
 

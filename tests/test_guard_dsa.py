@@ -13,8 +13,8 @@ from guard_scenarios import _decode, _two
 pytest.importorskip("sglang")
 
 from sglang.srt.mem_cache.memory_pool import DSATokenToKVPool
+from synthetic_pool import SyntheticPool
 
-from kvguard.bench.synthetic_pool import SyntheticPool
 from kvguard.ledger import PageState
 from kvguard.patches.adapter import guarded_kv_buffers
 

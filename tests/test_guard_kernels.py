@@ -12,8 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 from guard_scenarios import SCENARIOS
-
-from kvguard.bench.synthetic_pool import SyntheticPool
+from synthetic_pool import SyntheticPool
 
 
 def test_compiled_cpu_kernels_are_built():

@@ -9,8 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 from guard_scenarios import BYTES_CHANGED, SCENARIOS, BytesChanged
+from synthetic_pool import SyntheticPool
 
-from kvguard.bench.synthetic_pool import SyntheticPool
 from kvguard.ledger import IntegrityError, PageState
 from kvguard.verdict import Kind
 

@@ -121,8 +121,7 @@ _LOCAL = {"table_mismatch": table_mismatch, "overwrite_sealed": overwrite_sealed
 def _trace(kernels: Any, scenario: str, mode: str, ps: int, device: str = "cpu",
            index_layers: int = 0) -> Any:  # fmt: skip
     from guard_scenarios import SCENARIOS
-
-    from kvguard.bench.synthetic_pool import SyntheticPool
+    from synthetic_pool import SyntheticPool
 
     pool = SyntheticPool(page_size=ps, num_pages=4096 // ps + 16, mode=mode, max_len=512,
                          kernels=kernels, sweep_tokens_per_step=64, device=device,
@@ -229,8 +228,8 @@ def _out_of_range_compare(device: str = "cpu") -> str | None:
     read, no transition is applied, every write goes to the padding slot, and the steps after
     it match the reference's."""
     from guard_scenarios import _decode, _two
+    from synthetic_pool import SyntheticPool
 
-    from kvguard.bench.synthetic_pool import SyntheticPool
     from kvguard.kernels.guard_triton import TritonKernels
 
     for corrupt in ("table", "write", "negative"):
@@ -388,7 +387,8 @@ def test_local_scenarios_make_their_violation():
     """The two scenarios added here make the kinds they are here for, and flag exactly their
     victims (on the reference)."""
     sys.path.insert(0, str(HERE))
-    from kvguard.bench.synthetic_pool import SyntheticPool
+    from synthetic_pool import SyntheticPool
+
     from kvguard.kernels.guard_ref import OVERWRITE, TABLE_MISMATCH
 
     for scenario, ps, bit in (("table_mismatch", 1, TABLE_MISMATCH),

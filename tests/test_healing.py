@@ -221,7 +221,7 @@ def test_the_guard_decides_the_read_path_once(mode):
     the status (/server_info) say, and whether the step check verifies every read before the
     forward, before and after the adapter enables the hashed attention read, and when the mode
     is switched at run time."""
-    from kvguard.bench.synthetic_pool import SyntheticPool
+    from synthetic_pool import SyntheticPool
 
     pool = SyntheticPool(page_size=4, num_pages=32, mode=mode, kernels="torch")
     guard = pool.guard
@@ -287,7 +287,8 @@ def test_a_page_cached_before_its_verdict_is_quarantined(kernels):
     is read (an overlap scheduler checkpoints a chunked prefill's chunk then). The page is
     poisoned for every later reader, its healed writer's re-prefill included: the flagged
     request's pages the tree holds by resolve are quarantined."""
-    from kvguard.bench.synthetic_pool import SyntheticPool
+    from synthetic_pool import SyntheticPool
+
     from kvguard.ledger import PageState
 
     pool = SyntheticPool(page_size=4, num_pages=32, mode="verified", kernels=kernels)

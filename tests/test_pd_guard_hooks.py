@@ -9,8 +9,8 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from synthetic_pool import SyntheticPool
 
-from kvguard.bench.synthetic_pool import SyntheticPool
 from kvguard.kernels.guard_state import PageState
 from kvguard.patches import pd_guard, state
 from kvguard.verdict import Kind

@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 from guard_scenarios import SCENARIOS
+from synthetic_pool import SyntheticPool
 
 from kvguard.agreement import intersection, union
-from kvguard.bench.synthetic_pool import SyntheticPool
 from kvguard.health import FAILURES_TO_FAIL_CLOSED
 from kvguard.ledger import PageLedger, PageState
 from kvguard.quarantine import ESCALATION_STEPS

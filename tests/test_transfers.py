@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from synthetic_pool import Request, SyntheticPool
 
-from kvguard.bench.synthetic_pool import Request, SyntheticPool
 from kvguard.kernels.guard_state import EPOCH_STEP_SHIFT, PageState
 from kvguard.verdict import Kind
 
