@@ -35,6 +35,7 @@ from pathlib import Path
 
 import aiohttp
 
+from kvguard.bench.rounds import NO_HOOKS, interleaved_rounds, server_args
 from kvguard.serve.child import ServeProcess
 
 MODES = ["off", "tags", "sampled", "verified", "paranoid"]
@@ -189,16 +190,12 @@ def main(argv=None):
     extra = [x for x in a.server_args if x != "--"]
     if a.model_path:
         extra += ["--model-path", a.model_path]
-    need = a.concurrency * ((a.prompt_tokens or 64) + a.max_new_tokens)
-    if "--max-total-tokens" not in extra:
-        extra += ["--max-total-tokens", str(max(8192, 2 * need))]
-    if "--page-size" not in extra:
-        extra += ["--page-size", "16"]
+    extra = server_args(extra, a.concurrency * ((a.prompt_tokens or 64) + a.max_new_tokens))
     modes = ["off"] + [m for m in a.modes.split(",") if m in MODES and m != "off"]
 
     work = Path(tempfile.mkdtemp(prefix="kvguard-bench-"))
     prompts = workload(a.concurrency, a.prompt_tokens)
-    results: dict[str, list] = {m: [] for m in ["no hooks", *modes]}
+    results: dict[str, list] = {m: [] for m in [NO_HOOKS, *modes]}
 
     def measure(srv, mode, r):
         srv.flush_cache()  # every round starts from an empty prefix cache (and a reset ledger)
@@ -220,25 +217,15 @@ def main(argv=None):
             flush=True,
         )
 
-    base = start_server("off", extra, work, None)
-    try:
-        asyncio.run(run_round(base.url, prompts[:4], 8))  # warm-up: first-touch costs out
-        for r in range(a.rounds):
-            measure(base, "no hooks", r)
-    finally:
-        base.stop()
-    mode_file = work / "mode"
-    mode_file.write_text("off")
-    guarded = start_server("sampled", extra, work, mode_file)
-    try:
-        asyncio.run(run_round(guarded.url, prompts[:4], 8))
-        for r in range(a.rounds):
-            for i in range(len(modes)):
-                mode = modes[(i + r) % len(modes)]
-                mode_file.write_text(mode)  # read by the scheduler at the flush below
-                measure(guarded, mode, r)
-    finally:
-        guarded.stop()
+    interleaved_rounds(
+        lambda mode, mode_file: start_server(mode, extra, work, mode_file),
+        modes,
+        a.rounds,
+        measure,
+        lambda srv: asyncio.run(run_round(srv.url, prompts[:4], 8)),  # first-touch costs out
+        work,
+        guarded_mode="sampled",
+    )
 
     summary = {}
     for mode in results:

@@ -37,6 +37,7 @@ from pathlib import Path
 import aiohttp
 
 from kvguard.bench.guard import MODES, pct, stream_tokens, workload
+from kvguard.bench.rounds import NO_HOOKS, interleaved_rounds, server_args
 from kvguard.serve.pd import PrefillDecodePair
 
 COUNTERS = (
@@ -186,15 +187,11 @@ def main(argv=None):
     ap.add_argument("server_args", nargs=argparse.REMAINDER, help="kvguard-serve args after --")
     a = ap.parse_args(argv)
     extra = [x for x in a.server_args if x != "--"]
-    need = a.concurrency * (a.prompt_tokens + a.max_new_tokens)
-    if "--max-total-tokens" not in extra:
-        extra += ["--max-total-tokens", str(max(8192, 2 * need))]
-    if "--page-size" not in extra:
-        extra += ["--page-size", "16"]
+    extra = server_args(extra, a.concurrency * (a.prompt_tokens + a.max_new_tokens))
     modes = ["off"] + [m for m in a.modes.split(",") if m in MODES and m != "off"]
     work = Path(tempfile.mkdtemp(prefix="kvguard-pd-bench-"))
     prompts = workload(a.concurrency, a.prompt_tokens)
-    results: dict[str, list] = {m: [] for m in ([] if a.no_baseline else ["no hooks"]) + modes}
+    results: dict[str, list] = {m: [] for m in ([] if a.no_baseline else [NO_HOOKS]) + modes}
 
     def measure(pair: Pair, mode: str, r: int) -> None:
         for srv in pair.servers:
@@ -213,28 +210,17 @@ def main(argv=None):
             flush=True,
         )
 
-    def rounds(pair: Pair, names: list[str], mode_file: Path | None) -> None:
-        asyncio.run(run_round(pair.router.url, prompts[:2], 4))  # warm-up: first-touch costs out
-        for r in range(a.rounds):
-            for i in range(len(names)):
-                mode = names[(i + r) % len(names)]
-                if mode_file is not None:
-                    mode_file.write_text(mode)  # read by each scheduler at the flush
-                measure(pair, mode, r)
-
-    if not a.no_baseline:
-        pair = Pair("off", extra, work, None)
-        try:
-            rounds(pair, ["no hooks"], None)
-        finally:
-            pair.stop()
-    mode_file = work / "mode"
-    mode_file.write_text("off")
-    pair = Pair("verified", extra, work, mode_file)
-    try:
-        rounds(pair, modes, mode_file)
-    finally:
-        pair.stop()
+    interleaved_rounds(
+        lambda mode, mode_file: Pair(mode, extra, work, mode_file),
+        modes,
+        a.rounds,
+        measure,
+        # first-touch costs out
+        lambda pair: asyncio.run(run_round(pair.router.url, prompts[:2], 4)),
+        work,
+        guarded_mode="verified",
+        baseline=not a.no_baseline,
+    )
     summary = summarize(results, modes)
     print("\n" + table(summary))
     if a.out:
