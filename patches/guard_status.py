@@ -15,12 +15,12 @@ from typing import Any
 STATUS_KEY = "kvguard"  # the key added to each scheduler's handshake
 
 
-def guard_status() -> dict:
+def guard_status() -> dict[str, Any]:
     """This scheduler process's guard, as plain builtins (the handshake is pickled)."""
     from kvguard.patches.state import active_guard
 
     guard = active_guard()
-    status: dict = {"active": guard is not None, "pid": os.getpid()}
+    status: dict[str, Any] = {"active": guard is not None, "pid": os.getpid()}
     if guard is not None:
         try:
             status.update(guard.status())
@@ -31,13 +31,13 @@ def guard_status() -> dict:
 
 
 # -- Scheduler.get_init_info (AFTER) -------------------------------------------------------------
-def add_to_init_info(result, scheduler, *args, **kwargs):
+def add_to_init_info(result: Any, scheduler: Any, *args: Any, **kwargs: Any) -> Any:
     if isinstance(result, dict):
         result[STATUS_KEY] = guard_status()
     return result
 
 
-def scheduler_statuses(engine: Any) -> list[dict | None]:
+def scheduler_statuses(engine: Any) -> list[dict[str, Any] | None]:
     """One guard report per scheduler process of an in-process ``engine`` (None: that scheduler
     has no guard), read back from SGLang's handshake in the parent."""
     init = getattr(engine, "_scheduler_init_result", None)  # every rank's handshake (SGLang 0.5.23)
