@@ -1,5 +1,6 @@
 """Verified reads on a CPU pool: ``_read_verify`` (``csrc/read_verify.c``) behind the functions of
-``read_verify_ref`` (the specification; same arguments, same results bit for bit).
+``read_verify_ref`` (the specification; same arguments, same results bit for bit). The writer's
+digest (``hash_rows``) also runs on a GPU pool's rows, through ``triton_write_digest``.
 
 ``gather_rows`` is what attention calls once per KV buffer and layer; ``verify_reads`` what the
 guard calls once per step, after the last layer. Neither dispatches a torch operator on the hot
@@ -15,19 +16,22 @@ import torch
 from . import _read_verify as C  # built by setup.sh / pip install (setuptools ext-modules)
 from .read_verify_ref import buffer_constants
 
-_HALVES: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+_HALVES: dict[tuple[int, int, str], tuple[torch.Tensor, torch.Tensor]] = {}
 
 
-def constant_halves(buffer_index: int, row_bytes: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The buffer's word constants split in 32-bit halves (int32 tensors with the uint32 bits):
-    w * C = w * lo + ((w * hi) << 32) mod 2**64, which vectorizes as 32-bit multiplies."""
-    key = (buffer_index, row_bytes)
+def constant_halves(
+    buffer_index: int, row_bytes: int, device: torch.device | str = "cpu"
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The buffer's word constants split in 32-bit halves (int32 tensors with the uint32 bits),
+    on ``device``: w * C = w * lo + ((w * hi) << 32) mod 2**64, which vectorizes as 32-bit
+    multiplies."""
+    key = (buffer_index, row_bytes, str(device))
     hit = _HALVES.get(key)
     if hit is None:
         c = buffer_constants(buffer_index, row_bytes)
         lo = (c & 0xFFFFFFFF).to(torch.int64).to(torch.uint32).view(torch.int32).contiguous()
         hi = ((c >> 32) & 0xFFFFFFFF).to(torch.uint32).view(torch.int32).contiguous()
-        hit = _HALVES[key] = (lo, hi)
+        hit = _HALVES[key] = (lo.to(device), hi.to(device))
     return hit
 
 
@@ -77,12 +81,21 @@ def hash_rows(src: torch.Tensor, buffer_index: int, acc: torch.Tensor) -> None:
     ``acc[i] +=`` the inner part of row ``i`` of ``src`` [n, ...] (rows of whole 32-bit words,
     each contiguous; a strided slot dimension is fine)."""
     n = src.shape[0]
-    if not (src.is_cpu and acc.is_cpu and acc.dtype == torch.int64 and acc.is_contiguous()):
-        raise ValueError("hash_rows: CPU rows and contiguous int64 sums")
+    if not (acc.device == src.device and acc.dtype == torch.int64 and acc.is_contiguous()):
+        raise ValueError("hash_rows: contiguous int64 sums on the rows' device")
     if acc.numel() != n:
         raise ValueError(f"hash_rows: {n} rows for {acc.numel()} sums")
     if n == 0:
         return
+    if src.is_cuda:  # a GPU pool: one Triton launch (Triton imported only where it runs)
+        from .triton_write_digest import hash_rows as hash_rows_triton
+
+        row_bytes = src[0].numel() * src.element_size()
+        lo, hi = constant_halves(buffer_index, row_bytes, src.device)
+        hash_rows_triton(src, lo, hi, acc)
+        return
+    if not src.is_cpu:
+        raise ValueError(f"hash_rows: rows on {src.device}: CPU or CUDA")
     if src.dim() > 1 and not src[0].is_contiguous():
         src = src.contiguous()
     stride, row_bytes = _slot_layout(src)

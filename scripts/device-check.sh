@@ -143,7 +143,8 @@ parallel=()
 "$PY" -c "import xdist" 2>/dev/null && parallel=(-n 4)
 stage "kernel tests on CUDA" 240 tests.txt \
   "$PY" -m pytest -q -p no:cacheprovider -m gpu -rA --durations=10 ${parallel[@]+"${parallel[@]}"} \
-  tests/test_guard_triton.py tests/test_kv_checksum.py tests/test_w4a16_kernel.py
+  tests/test_guard_triton.py tests/test_kv_checksum.py tests/test_w4a16_kernel.py \
+  tests/test_writer_digests.py
 stage "bench.step on CUDA" 75 bench_step.txt bash -c "
   '$PY' -m kvguard.bench.step --device cuda --kernels triton --page-size 16 --reps 3 --new 32 --count-ops &&
   '$PY' -m kvguard.bench.step --device cuda --kernels triton --page-size 1 --reps 3 --new 32 --count-ops &&

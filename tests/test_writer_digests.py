@@ -10,6 +10,9 @@ scenarios (a store lost, or landing in another request's or the same request's s
 from __future__ import annotations
 
 import inspect
+import os
+import subprocess
+import sys
 from types import SimpleNamespace
 
 import pytest
@@ -45,6 +48,58 @@ def test_hash_rows_compiled_matches_reference(shape):
         want = torch.zeros(shape[0], dtype=torch.int64)
         ref.hash_rows(rows.reshape(shape[0], -1), ref.buffer_constants(3, row_bytes), want)
         assert torch.equal(acc_s, want)
+
+
+# The Triton kernel (GPU pools) against the reference, under Triton's interpreter: it must be set
+# before triton is imported, so the check runs in a subprocess on CPU tensors.
+_TRITON_CHECK = """
+import torch
+from kvguard.kernels import read_verify, read_verify_ref as ref
+from kvguard.kernels.triton_write_digest import hash_rows
+g = torch.Generator().manual_seed(7)
+for n, shape in ((5, (2, 16)), (1, (80,)), (33, (4, 132)), (3, (4,)), (0, (8,))):
+    rows = torch.randint(0, 256, (n, *shape), dtype=torch.uint8, generator=g)
+    row_bytes = rows[0].numel() if n else 8
+    acc = torch.randint(-(1 << 62), 1 << 62, (n,), generator=g)
+    want = acc.clone()
+    lo, hi = read_verify.constant_halves(2, row_bytes)
+    hash_rows(rows, lo, hi, acc)
+    ref.hash_rows(rows, ref.buffer_constants(2, row_bytes), want)
+    assert torch.equal(acc, want), (n, shape)
+    if n > 1:  # rows of a wider tensor: a strided slot dimension
+        wide = torch.cat([rows.reshape(n, -1)] * 2, dim=1)[:, :row_bytes]
+        acc = torch.zeros(n, dtype=torch.int64)
+        hash_rows(wide, lo, hi, acc)
+        want = torch.zeros(n, dtype=torch.int64)
+        ref.hash_rows(rows.reshape(n, -1), ref.buffer_constants(2, row_bytes), want)
+        assert torch.equal(acc, want), ("strided", n, shape)
+print("ok")
+"""
+
+
+def test_hash_rows_triton_matches_reference_interpreted():
+    """The writer's digest on a GPU pool (``kernels/triton_write_digest.py``) equals the
+    reference, bit for bit, under Triton's interpreter: 32-bit word multiplies and the wrapping
+    sums as the CPU kernel and the reference have them."""
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    out = subprocess.run(
+        [sys.executable, "-c", _TRITON_CHECK], capture_output=True, text=True, env=env, timeout=300
+    )
+    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-3000:]
+
+
+@pytest.mark.gpu
+def test_hash_rows_on_a_gpu_pool_matches_reference():
+    """On a CUDA device, through the dispatch the store hook uses (``read_verify.hash_rows``)."""
+    g = torch.Generator().manual_seed(3)
+    for n, shape in ((9, (2, 64)), (200, (576,)), (1, (4,))):
+        rows = torch.randint(0, 256, (n, *shape), dtype=torch.uint8, generator=g)
+        acc = torch.randint(-(1 << 62), 1 << 62, (n,), generator=g)
+        want = acc.clone()
+        got = acc.cuda()
+        compiled.hash_rows(rows.cuda(), 5, got)
+        ref.hash_rows(rows, ref.buffer_constants(5, rows[0].numel()), want)
+        assert torch.equal(got.cpu(), want), (n, shape)
 
 
 def test_hash_rows_is_the_pool_digest_of_the_same_bytes():
@@ -249,3 +304,23 @@ def test_fp8_scales_changed_after_the_write_are_refused(sgl, stores, monkeypatch
     with pytest.raises(kv_write.UndigestedStore, match="FP8 KV scales"):
         kv_write.take_sums()
     assert kv_read.take_record().failed
+
+
+def test_hash_rows_triton_compiles_for_sm90():
+    """Without a GPU: the writer's-digest kernel compiles for sm_90 as a GPU would compile it
+    (the interpreter test checks what it computes)."""
+    triton = pytest.importorskip("triton")
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from kvguard.kernels import triton_write_digest as kernel
+
+    if "nvidia" not in triton.backends.backends:
+        pytest.skip("this Triton has no NVIDIA backend")
+    sig = {"src": "*i32", "row_stride": "i32", "words": "i32", "lo": "*i32", "hi": "*i32",
+           "acc": "*i64", "n": "i32", "BR": "constexpr", "BWORD": "constexpr"}  # fmt: skip
+    consts = {"BR": kernel._ROWS, "BWORD": kernel._WORDS}
+    compiled = triton.compile(
+        ASTSource(kernel._hash_rows, sig, consts), target=GPUTarget("cuda", 90, 32)
+    )
+    assert compiled.asm.get("cubin")
