@@ -13,7 +13,9 @@ that raised); one whose flip never happened is reported ``unfired`` and followed
 Entries of class ``guard_fault`` make the guard's own hooks fail instead (``guard_faults``):
 they are armed when read, on every rank unless the entry names one. Entries of a prefill/decode
 class (``pd_faults.PD_CLASSES``) are armed when read too, and taken by the next transfers the
-decode server sets up (its own hook on ``_transfer_page_indices``).
+decode server sets up (its own hook on ``_transfer_page_indices``). An entry of class
+``guard_settings`` (``mode``, ``on_violation``) switches the guard when read: a test that shares
+one engine between healing and aborting runs.
 
 Control file: ``{"plan": [{"id": 1, "cls": "bit_flip", "seed": 7}, ...]}`` (entries only appended).
 """
@@ -127,8 +129,23 @@ class FuzzState:
                     if entry.get("rank", self.rank) == self.rank:
                         guard_faults.arm(entry, self.log)
                         self.log({"event": "armed", **entry})
+                elif entry.get("cls") == "guard_settings":
+                    self.apply_settings(entry)
                 else:
                     self.queue.append(entry)
+
+    def apply_settings(self, entry: dict) -> None:
+        """A ``guard_settings`` entry: the guard's mode and what a violation does, switched
+        before the next step (tests share one engine between healing and aborting runs)."""
+        from kvguard.patches import state as guard_state
+
+        guard = guard_state.guard
+        if guard is None:
+            self.log({"event": "injector_error", "id": entry["id"], "error": "no guard"})
+            return
+        guard.set_mode(entry.get("mode", guard.config.mode), entry.get("on_violation"))
+        self.log({"event": "settings", "id": entry["id"], "mode": guard.config.mode.value,
+                  "on_violation": guard.config.on_violation.value})  # fmt: skip
 
     def note_reads(self, batch):
         """Count the KV tokens this step's batch read (its requests' sequence lengths), and

@@ -23,7 +23,7 @@ import torch
 from kvguard.actions import ActionPlan, Actions, EngineControl
 from kvguard.agreement import BREAKER, FAILED, Agreement, PeerRanks
 from kvguard.checker import StepChecker
-from kvguard.config import GuardConfig, Mode, ReadPath
+from kvguard.config import GuardConfig, Mode, OnViolation, ReadPath
 from kvguard.cost import GuardCost, clock
 from kvguard.healing import HealPolicy
 from kvguard.health import GuardHealth
@@ -100,10 +100,14 @@ class Guard:
         self.metrics.healthy.set(1)
 
     # -- configuration --------------------------------------------------------------------------------
-    def set_mode(self, mode: Mode | str) -> None:
-        """Switch mode at run time (benchmarks interleave modes in one server). ``off`` here means
+    def set_mode(self, mode: Mode | str, on_violation: OnViolation | str | None = None) -> None:
+        """Switch mode (and what a violation does) at run time: benchmarks interleave modes in
+        one server, tests switch one engine between healing and aborting. ``off`` here means
         installed but idle; a server started with mode off has no hooks at all."""
-        self.config = self.config.with_(mode=mode)
+        changes: dict[str, object] = {"mode": mode}
+        if on_violation is not None:
+            changes["on_violation"] = on_violation
+        self.config = self.config.with_(**changes)
         self.checker.config = self.healing.config = self.config
 
     @property

@@ -47,18 +47,17 @@ def model():
     return tiny_random_glm_dsa()
 
 
-def _caught(eng, capfd, texts, reference, cls, seed) -> dict:
+def _caught(eng, texts, reference, cls, seed) -> dict:
     """Inject ``cls`` once: the guard flags (aborts or recomputes) some of its victims and no
     one else, each flag logged with its forensic record; a victim it did not flag answers as
     the clean run did (no escape)."""
-    eng.inject(cls, seed=seed)
+    inj_id = eng.inject(cls, seed=seed)
     out = eng.run(texts, tag=cls, sampling=SAMPLING)
-    recs = eng.injection_records(len(eng.plan))
+    recs = eng.injection_records(inj_id)
     assert recs and recs[0]["event"] == "injected", f"{cls}: not injected: {recs}"
     victims = set().union(*(set(r["victims"]) for r in recs))
     assert victims, f"{cls}: no reader of the corrupted slot: {recs}"
-    cap = capfd.readouterr()  # the scheduler child shares this test's stdout/stderr
-    logged = [e for e in violation_events(cap.out + cap.err).values() if e["request"]]
+    logged = [e for e in violation_events(eng.new_log()).values() if e["request"]]
     flagged = {e["request"] for e in logged}
     aborted = {o["rid"] for o in out if "error" in o}
     assert flagged, f"{cls}: nothing detected ({recs[0]['detail']})"
@@ -80,7 +79,7 @@ def _caught(eng, capfd, texts, reference, cls, seed) -> dict:
     [("verified", "fp8_e4m3"), ("paranoid", "auto")],
     ids=["default-fp8", "paranoid"],
 )
-def test_latent_and_index_key_faults_are_caught(tmp_path, capfd, model, mode, kv_cache_dtype):
+def test_latent_and_index_key_faults_are_caught(tmp_path, model, mode, kv_cache_dtype):
     """verified is the guard's default mode (its action recompute: a victim is healed), FP8 KV
     the GLM family's default; paranoid aborts (float32 KV)."""
     env = {} if mode == "verified" else {"KVGUARD_ON_VIOLATION": "abort"}
@@ -92,14 +91,11 @@ def test_latent_and_index_key_faults_are_caught(tmp_path, capfd, model, mode, kv
         assert min(lens) > GLM_PAGE_SIZE + GLM_INDEX_TOPK and max(lens) < 3 * GLM_PAGE_SIZE, lens
         reference = eng.run(texts, sampling=SAMPLING)
         assert all("error" not in r for r in reference), reference
-        cap = capfd.readouterr()
-        assert not violation_events(cap.out + cap.err)  # a clean run: no false alarm
+        assert not violation_events(eng.new_log())  # a clean run: no false alarm
         # verified hashes what the indexer and sparse MLA read: a flip inside the forward, after
         # the pre-forward check, is caught before the step's tokens leave
         classes = CLASSES + ("in_forward_flip",) if mode == "verified" else CLASSES
-        outcome = {
-            cls: _caught(eng, capfd, texts, reference, cls, i) for i, cls in enumerate(classes)
-        }
+        outcome = {cls: _caught(eng, texts, reference, cls, i) for i, cls in enumerate(classes)}
         print(f"{mode}: {outcome}")
         # still serving: every prompt answered, cold again. Not compared token for token: the
         # batch's composition moves this random model's greedy path under FP8 (guard off, the

@@ -1,47 +1,69 @@
 """The guard inside a live SGLang engine (CPU): real scheduler, allocator, radix cache, KV pool.
 
 Each bug class is made to happen inside the running engine by the fault-injection plugin
-(``kvguard.fuzz``, the test-only injection point, driven through its control file). With
-``on_violation=abort`` (healing: ``test_heal_engine``), for every class: the requests whose KV
-was touched are aborted with a KV-integrity error naming a violation
-id, every other request's greedy output equals the clean reference, the violation is logged with
-its forensic record, and the engine then answers a fresh request correctly.
+(``kvguard.fuzz``, the test-only injection point, driven through its control file). One engine
+per page size (16 and 1), in the default mode (verified), serves every test here, switched at
+run time between aborting and healing (a ``guard_settings`` plan entry):
+
+- ``on_violation=abort``, for every class: the requests whose KV was touched are aborted with a
+  KV-integrity error naming a violation id, every other request's greedy output equals the clean
+  reference, the violation is logged with its forensic record, and the engine then answers a
+  fresh request correctly;
+- ``recompute`` (healing, the default): no client sees an error; every request, its victims
+  included, answers exactly as the clean reference did; only requests whose KV an injection
+  touched are recomputed; each recompute is logged with its forensic record;
+- a byte flipped inside the forward, after every check before it, is caught before its token
+  leaves (the read hashed in attention) and healed.
+
+Under tensor parallelism and on the pre-forward fallback read path: ``test_heal_engine``.
 """
 
 from __future__ import annotations
 
-import pytest
-from guarded_engine import guarded_engine, violation_events, workload
+from collections.abc import Iterator
 
-CLASSES = [
-    "double_allocation",
-    "premature_free",
-    "shared_write",
-    "table_redirect",
-    "table_swap",
-    "bit_flip",
-]
+import pytest
+from guarded_engine import (
+    CLASSES,
+    GuardedEngine,
+    flip_during_forward,
+    guarded_engine,
+    healed_run,
+    violation_events,
+    workload,
+)
+
 pytestmark = pytest.mark.engine  # every test here runs a live engine
 
 
-@pytest.mark.parametrize("page_size", [16, 1])
-def test_each_injected_bug_aborts_only_its_victims(tmp_path, capfd, page_size):
-    with guarded_engine(tmp_path, page_size, env={"KVGUARD_ON_VIOLATION": "abort"}) as eng:
+@pytest.fixture(scope="module", params=[16, 1], ids=["ps16", "ps1"])
+def engine(request, tmp_path_factory) -> Iterator[GuardedEngine]:
+    """The module's engine at one page size (pytest runs every test of one page size, then the
+    next), verified, healing; a test that switches it switches it back."""
+    tmp = tmp_path_factory.mktemp(f"engine-ps{request.param}")
+    with guarded_engine(tmp, request.param, mode="verified") as eng:
+        yield eng
+
+
+def test_each_injected_bug_aborts_only_its_victims(engine: GuardedEngine):
+    eng = engine
+    eng.settings(on_violation="abort")
+    try:
         prompts = workload(16)
-        reference = eng.run(prompts)
+        reference = eng.run(prompts, tag="abort-ref")
         assert all("error" not in r for r in reference)
+        eng.new_log()
         for i, cls in enumerate(CLASSES):
-            eng.inject(cls, seed=i)
-            out = eng.run(prompts, tag=cls)
-            recs = eng.injection_records(i + 1)
+            inj_id = eng.inject(cls, seed=i)
+            out = eng.run(prompts, tag=f"abort-{cls}")
+            recs = eng.injection_records(inj_id)
             assert recs and recs[0]["event"] == "injected", f"{cls}: no fitting moment ({recs})"
             victims = set().union(*(set(r["victims"]) for r in recs))
             aborted = [j for j, o in enumerate(out) if "error" in o]
             # every abort names a KV integrity violation with an id
             for j in aborted:
                 assert "KV cache integrity violation kvg-" in out[j]["error"], out[j]["error"]
-            cap = capfd.readouterr()  # the scheduler child shares this test's stdout/stderr
-            logged = violation_events(cap.out + cap.err)
+            logged = violation_events(eng.new_log())
             if not aborted:  # a premature free caught before the page was reused: taken back
                 repaired = [e for e in logged.values() if "premature_free" in e["kinds"]]
                 assert cls == "premature_free" and repaired, f"{cls}: nothing detected"
@@ -64,5 +86,31 @@ def test_each_injected_bug_aborts_only_its_victims(tmp_path, capfd, page_size):
                 assert ev["action"] == "abort" and ev["recomputes"] == 0
                 assert any(p["positions"] for p in ev["pages"]) or "quarantined_page" in ev["kinds"]
         # the engine is still serving, and serving correctly
-        fresh = eng.run(prompts[:3], tag="fresh")
+        fresh = eng.run(prompts[:3], tag="abort-fresh")
         assert [o["output_ids"] for o in fresh] == [r["output_ids"] for r in reference[:3]]
+    finally:
+        eng.settings(on_violation="recompute")
+
+
+def test_each_injected_bug_is_healed(engine: GuardedEngine):
+    eng = engine
+    prompts = workload(16)
+    reference = eng.run(prompts, tag="heal-ref")
+    assert all("error" not in r for r in reference)
+    eng.new_log()
+    for i, cls in enumerate(CLASSES):
+        inj_id = eng.inject(cls, seed=i)
+        healed_run(eng, prompts, reference, cls, inj_id, tag=f"heal-{cls}")
+    fresh = eng.run(prompts[:3], tag="heal-fresh")
+    assert [o["output_ids"] for o in fresh] == [r["output_ids"] for r in reference[:3]]
+
+
+@pytest.mark.parametrize("engine", [16], indirect=True, ids=["ps16"])
+def test_a_flip_during_the_forward_is_healed_where_reads_are_verified(engine: GuardedEngine):
+    """With the read hashed in attention (the read path in force here, in /server_info and the
+    start-up log) a byte flipped inside the forward is caught before its token leaves and
+    healed (``guarded_engine.flip_during_forward``; the pre-forward fallback, where it is
+    aborted instead: ``test_heal_engine``)."""
+    assert engine.engine.get_server_info()["kvguard"]["read_path"] == "verified_in_attention"
+    assert '"read_path": "verified_in_attention"' in engine.log.read_text(errors="replace")
+    flip_during_forward(engine, "verified_in_attention")

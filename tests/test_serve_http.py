@@ -120,7 +120,10 @@ def test_guard_runs_in_scheduler_process(server):
 
 @pytest.mark.engine
 @pytest.mark.stops_shared_server
-def test_sigterm_stops_everything(server):
+def test_sigterm_stops_everything(server, shared_server):
+    # last in the session: the shared server served every test before it, never restarted (an
+    # in-process engine's shutdown once killed it with every other descendant of pytest)
+    assert shared_server.starts == 1, f"the shared server was started {shared_server.starts} times"
     children = psutil.Process(server.proc.pid).children(recursive=True)
     assert children
     server.proc.send_signal(signal.SIGTERM)
