@@ -352,8 +352,3 @@ def around_transfer_page_indices(original, queue, decode_req, *args, **kwargs):
     """AROUND ``DecodePreallocQueue._transfer_page_indices``: the PD hand-off faults
     (``pd_faults``), given this process's plan."""
     return pd_faults.fault_transfer(_state, original, queue, decode_req, *args, **kwargs)
-
-
-def state() -> FuzzState | None:
-    """The plugin's state in this scheduler process (None: the fuzz tool is not active)."""
-    return _state

@@ -245,7 +245,9 @@ class Guard:
         if t0 is None:
             t0 = clock()
         kinds, word = self.agreement.agree(mine, in_flight, B)
-        if not (word & ~BREAKER or events or bool(kinds.any())):  # agreed clean: nothing to do
+        # every rank acts on this step (agreed bits); a rank's own engine events alone act here
+        acting_together = bool(word & ~BREAKER) or bool(kinds.any())
+        if not (acting_together or events):  # agreed clean: nothing to do
             self.health.step_succeeded()
             self.cost.add(t0)
             self._flush_metrics()
@@ -263,7 +265,6 @@ class Guard:
         # Every rank applies its plan, or every rank fails the batch closed: one rank healing a
         # request another aborts would split their batches (the next collective hangs). Only
         # where all ranks act (agreed bits), so the extra OR runs on flagged steps alone.
-        acting_together = bool(word & ~BREAKER) or bool(kinds.any())
         planned = plan is not None
         if acting_together:
             planned = self.agreement.all_ranks_ok(planned)
